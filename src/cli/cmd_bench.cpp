@@ -1,0 +1,138 @@
+// fitmoe bench: prompt processing (ppN) and generation (tgN) speed like llama-bench, with the weight
+// bytes each generated token reads and the bandwidth that implies.
+#include <cmath>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "cli/common.h"
+#include "quant/kernels.h"
+#include "runtime/error.h"
+
+namespace fitmoe::cli {
+
+namespace {
+
+struct BenchArgs {
+  ModelOptions model;
+  std::vector<int> prompt = {512};
+  std::vector<int> gen = {128};
+  int reps = 5;
+  bool json = false;
+};
+
+struct Result {
+  std::string test;
+  int n_prompt = 0, n_gen = 0;
+  std::vector<double> tps;
+  double mean() const {
+    double s = 0;
+    for (double v : tps) s += v;
+    return tps.empty() ? 0 : s / tps.size();
+  }
+  double sd() const {
+    if (tps.size() < 2) return 0;
+    double m = mean(), s = 0;
+    for (double v : tps) s += (v - m) * (v - m);
+    return std::sqrt(s / (tps.size() - 1));
+  }
+};
+
+std::vector<int32_t> random_tokens(int n, int n_vocab, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> d(0, n_vocab - 1);
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (auto& x : t) x = d(rng);
+  return t;
+}
+
+}  // namespace
+
+void register_bench(CLI::App& app) {
+  auto* cmd = app.add_subcommand("bench", "measure prompt (ppN) and generation (tgN) speed, llama-bench style");
+  auto a = std::make_shared<BenchArgs>();
+  add_model_options(*cmd, a->model, /*with_ctx=*/false);
+  cmd->add_option("-p,--n-prompt", a->prompt, "prompt lengths to test (0 or empty: none)")->delimiter(',');
+  cmd->add_option("-n,--n-gen", a->gen, "generation lengths to test (0: none)")->delimiter(',');
+  cmd->add_option("-r,--repetitions", a->reps, "repetitions per test")->check(CLI::PositiveNumber);
+  cmd->add_option("--kv-type", a->model.kv_type, "KV cache type: f16 or f32")->check(CLI::IsMember({"f16", "f32"}));
+  cmd->add_flag("--json", a->json, "print JSON instead of a markdown table");
+  cmd->callback([a] {
+    auto model = load_model(a->model);
+    const auto& cfg = model->config();
+    int max_ctx = 16;
+    for (int p : a->prompt) max_ctx = std::max(max_ctx, p + 1);
+    for (int g : a->gen) max_ctx = std::max(max_ctx, g + 1);
+    SessionOptions so = session_options(a->model);
+    so.n_ctx = max_ctx;
+    so.n_batch = max_ctx;  // each ppN is one batch
+    Session s(*model, so);
+
+    std::vector<Result> results;
+    for (int p : a->prompt) {
+      if (p <= 0) continue;
+      Result r{"pp" + std::to_string(p), p, 0, {}};
+      auto toks = random_tokens(p, cfg.n_vocab, 42);
+      for (int rep = -1; rep < a->reps; ++rep) {  // rep -1 is the warm-up
+        s.state().reset();
+        double t0 = now_seconds();
+        s.eval(toks, 1);
+        double dt = now_seconds() - t0;
+        if (rep >= 0) r.tps.push_back(p / dt);
+        std::fprintf(stderr, "\r%s: run %d/%d  %.2f tok/s   ", r.test.c_str(), rep + 1, a->reps, p / dt);
+      }
+      std::fprintf(stderr, "\n");
+      results.push_back(r);
+    }
+    for (int g : a->gen) {
+      if (g <= 0) continue;
+      Result r{"tg" + std::to_string(g), 0, g, {}};
+      auto toks = random_tokens(g, cfg.n_vocab, 7);
+      for (int rep = -1; rep < a->reps; ++rep) {
+        s.state().reset();
+        const int n = rep < 0 ? std::min(g, 4) : g;
+        double t0 = now_seconds();
+        for (int i = 0; i < n; ++i) s.eval(std::span<const int32_t>(&toks[i], 1), 1);
+        double dt = now_seconds() - t0;
+        if (rep >= 0) r.tps.push_back(n / dt);
+        std::fprintf(stderr, "\r%s: run %d/%d  %.2f tok/s   ", r.test.c_str(), rep + 1, a->reps, n / dt);
+      }
+      std::fprintf(stderr, "\n");
+      results.push_back(r);
+    }
+
+    uint64_t size = 0, params = 0;
+    for (auto& t : model->file().tensors()) {
+      size += t.nbytes;
+      params += static_cast<uint64_t>(t.n_elements());
+    }
+    const double bpt = model->bytes_per_token();
+    const std::string backend = std::string("CPU (") + quant::isa_name(quant::best_isa()) + ")";
+    const std::string name = cfg.name.empty() ? cfg.arch : cfg.name;
+    if (a->json) {
+      nlohmann::json out = nlohmann::json::array();
+      for (auto& r : results) {
+        out.push_back({{"model", name}, {"arch", cfg.arch}, {"size", size}, {"params", params},
+                       {"backend", backend}, {"n_threads", s.pool().size()}, {"test", r.test},
+                       {"n_prompt", r.n_prompt}, {"n_gen", r.n_gen}, {"avg_ts", r.mean()},
+                       {"stddev_ts", r.sd()}, {"samples_ts", r.tps},
+                       {"weight_bytes_per_token", r.n_gen ? bpt : 0.0},
+                       {"weight_gbps", r.n_gen ? bpt * r.mean() / 1e9 : 0.0}});
+      }
+      std::printf("%s\n", out.dump(2).c_str());
+      return;
+    }
+    std::printf("| model | size | params | backend | threads | test | t/s | weights/token | GB/s |\n");
+    std::printf("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |\n");
+    for (auto& r : results) {
+      std::string bytes = r.n_gen ? human_bytes(bpt) : "-";
+      char gbps[32] = "-";
+      if (r.n_gen) std::snprintf(gbps, sizeof gbps, "%.1f", bpt * r.mean() / 1e9);
+      std::printf("| %s | %s | %.2f B | %s | %d | %s | %.2f ± %.2f | %s | %s |\n", name.c_str(),
+                  human_bytes(static_cast<double>(size)).c_str(), params / 1e9, backend.c_str(), s.pool().size(),
+                  r.test.c_str(), r.mean(), r.sd(), bytes.c_str(), gbps);
+    }
+  });
+}
+
+}  // namespace fitmoe::cli

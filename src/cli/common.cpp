@@ -1,0 +1,107 @@
+#include "cli/common.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <sstream>
+
+#include "runtime/error.h"
+
+namespace fitmoe::cli {
+
+void add_model_options(CLI::App& app, ModelOptions& o, bool with_ctx) {
+  app.add_option("-m,--model", o.model_path, "GGUF model file")->required();
+  app.add_option("-t,--threads", o.threads, "CPU threads (0: all cores)")->check(CLI::NonNegativeNumber);
+  if (with_ctx) {
+    app.add_option("-c,--ctx", o.ctx, "context size in tokens")->check(CLI::PositiveNumber);
+    app.add_option("--kv-type", o.kv_type, "KV cache type: f16 (default) or f32")->check(CLI::IsMember({"f16", "f32"}));
+    app.add_option("-b,--batch", o.batch, "prompt tokens per forward batch")->check(CLI::PositiveNumber);
+  }
+}
+
+SessionOptions session_options(const ModelOptions& o) {
+  SessionOptions s;
+  s.n_threads = o.threads;
+  s.n_ctx = o.ctx;
+  s.kv_type = o.kv_type == "f32" ? DType::F32 : DType::F16;
+  s.n_batch = o.batch;
+  return s;
+}
+
+std::unique_ptr<Model> load_model(const ModelOptions& o) { return Model::load(o.model_path); }
+
+void add_sampler_options(CLI::App& app, SamplerParams& p) {
+  app.add_option("--temp", p.temperature, "temperature (0: greedy)");
+  app.add_option("--top-k", p.top_k, "top-k (0: off)");
+  app.add_option("--top-p", p.top_p, "top-p (1: off)");
+  app.add_option("--min-p", p.min_p, "min-p (0: off)");
+  app.add_option("--repeat-penalty", p.repeat_penalty, "repetition penalty (1: off)");
+  app.add_option("--repeat-last-n", p.repeat_last_n, "tokens the penalty looks back over (-1: all)");
+  app.add_option("-s,--seed", p.seed, "sampling seed");
+}
+
+std::vector<int32_t> parse_token_list(const std::string& s) {
+  std::vector<int32_t> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    size_t b = item.find_first_not_of(" \t"), e = item.find_last_not_of(" \t");
+    if (b == std::string::npos) throw Error("bad token list '" + s + "': empty item");
+    item = item.substr(b, e - b + 1);
+    char* end = nullptr;
+    long v = std::strtol(item.c_str(), &end, 10);
+    if (*end != '\0' || v < 0 || v > INT32_MAX) throw Error("bad token id '" + item + "' in token list");
+    out.push_back(static_cast<int32_t>(v));
+  }
+  if (out.empty()) throw Error("empty token list");
+  return out;
+}
+
+std::string join_tokens(const std::vector<int32_t>& ids) {
+  std::string s;
+  for (size_t i = 0; i < ids.size(); ++i) s += (i ? "," : "") + std::to_string(ids[i]);
+  return s;
+}
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void Progress::update(uint64_t done, uint64_t total) {
+  if (start_ < 0) start_ = now_seconds();
+  int permille = total ? static_cast<int>(done * 1000 / total) : 1000;
+  static const bool tty = isatty(STDERR_FILENO);
+  if (tty ? permille == last_permille_ : permille / 100 == last_permille_ / 100) return;
+  last_permille_ = permille;
+  double el = now_seconds() - start_;
+  double rate = el > 0 ? done / el : 0;
+  if (tty) {
+    int bar = permille * 30 / 1000;
+    std::fprintf(stderr, "\r%s [%.*s%*s] %5.1f%% %s/%s %s/s  ", label_.c_str(), bar,
+                 "==============================", 30 - bar, "", permille / 10.0, human_bytes(done).c_str(),
+                 human_bytes(total).c_str(), human_bytes(rate).c_str());
+  } else {
+    std::fprintf(stderr, "%s %5.1f%% %s/%s %s/s\n", label_.c_str(), permille / 10.0, human_bytes(done).c_str(),
+                 human_bytes(total).c_str(), human_bytes(rate).c_str());
+  }
+  std::fflush(stderr);
+}
+
+void Progress::finish() {
+  if (isatty(STDERR_FILENO)) std::fprintf(stderr, "\n");
+}
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024 && u < 4) {
+    b /= 1024;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u ? "%.2f %s" : "%.0f %s", b, units[u]);
+  return buf;
+}
+
+}  // namespace fitmoe::cli

@@ -1,0 +1,15 @@
+// Constructors of the architecture families (one per file in src/model/), used by Model::load.
+#pragma once
+#include <functional>
+#include <memory>
+
+#include "model/model.h"
+
+namespace fitmoe {
+
+using ModelFactory = std::function<std::unique_ptr<Model>(std::shared_ptr<gguf::File>, const LoadOptions&)>;
+
+// qwen3 (dense) and qwen3moe: src/model/qwen3.cpp
+std::unique_ptr<Model> make_qwen3_model(std::shared_ptr<gguf::File> file, const LoadOptions& opt);
+
+}  // namespace fitmoe

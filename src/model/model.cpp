@@ -1,0 +1,83 @@
+#include "model/model.h"
+
+#include <algorithm>
+#include <functional>
+#include <map>
+
+#include "model/architectures.h"
+#include "runtime/error.h"
+#include "runtime/thread_pool.h"
+
+namespace fitmoe {
+
+namespace {
+// The registry of architecture families: general.architecture -> constructor. A new model is one new
+// file in src/model plus one line here.
+const std::map<std::string, ModelFactory>& registry() {
+  static const std::map<std::string, ModelFactory> r = {
+      {"qwen3moe", make_qwen3_model},
+      {"qwen3", make_qwen3_model},
+  };
+  return r;
+}
+}  // namespace
+
+std::vector<std::string> Model::supported_architectures() {
+  std::vector<std::string> out;
+  for (auto& [name, f] : registry()) out.push_back(name);
+  return out;
+}
+
+std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& opt) {
+  auto file = gguf::File::open(path);
+  std::string arch(file->get_string("general.architecture"));
+  auto it = registry().find(arch);
+  if (it == registry().end()) {
+    std::string list;
+    for (auto& a : supported_architectures()) list += (list.empty() ? "" : ", ") + a;
+    throw Error(path + ": unknown or unsupported architecture '" + arch + "' (fitmoe supports: " + list + ")");
+  }
+  return it->second(file, opt);
+}
+
+void Model::forward(ModelState& state, ThreadPool& pool, std::span<const int32_t> tokens, int n_logits,
+                    float* logits) const {
+  if (tokens.empty()) return;
+  const int n = static_cast<int>(tokens.size());
+  if (state.n_past() + n > state.n_ctx())
+    throw Error("context is full: " + std::to_string(state.n_past()) + " + " + std::to_string(n) +
+                " tokens exceed the context of " + std::to_string(state.n_ctx()));
+  if (n_logits < 0 || n_logits > n) throw Error("forward: n_logits out of range");
+  for (int32_t t : tokens)
+    if (t < 0 || t >= cfg_.n_vocab)
+      throw Error("token id " + std::to_string(t) + " is outside the vocabulary (0.." +
+                  std::to_string(cfg_.n_vocab - 1) + ")");
+  forward_impl(state, pool, tokens, n_logits, logits);
+  state.advance(n);
+}
+
+Weight Model::tensor(const std::string& name, std::vector<int64_t> ne, bool optional) const {
+  const gguf::TensorInfo* t = file_->find_tensor(name);
+  if (!t) {
+    if (optional) return {};
+    throw Error(file_->path() + ": missing tensor " + name + " (required by " + cfg_.arch + ")");
+  }
+  ne.resize(4, 1);
+  if (!std::equal(ne.begin(), ne.end(), t->ne.begin())) {
+    size_t dims = 4;
+    while (dims > 1 && ne[dims - 1] == 1) --dims;
+    std::string want = "[";
+    for (size_t i = 0; i < dims; ++i) want += (i ? ", " : "") + std::to_string(ne[i]);
+    throw Error(file_->path() + ": tensor " + name + " has shape " + t->shape_string() + ", but the " +
+                cfg_.arch + " hyperparameters require " + want + "]");
+  }
+  Weight w;
+  w.info = t;
+  w.type = t->type;
+  for (int d = 0; d < 4; ++d) w.ne[d] = t->ne[d];
+  w.row_bytes = t->row_bytes();
+  w.host = t->data;
+  return w;
+}
+
+}  // namespace fitmoe

@@ -1,0 +1,134 @@
+// What a model is to the rest of fitmoe: hyperparameters, weights (each with where it lives), and a
+// forward pass that turns a batch of tokens into logits while updating its per-sequence state.
+//
+// One file per architecture family under src/model/ implements Model. Everything an architecture
+// needs to evaluate a batch (KV cache, recurrent state, scratch) lives in its ModelState, created by
+// the model itself, so the session and the CLI never depend on one architecture's layout.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "format/gguf.h"
+#include "quant/dtype.h"
+
+namespace fitmoe {
+
+class ThreadPool;
+
+struct ModelConfig {
+  std::string arch;        // general.architecture
+  std::string name;        // general.name (may be empty)
+  int n_vocab = 0;
+  int n_embd = 0;
+  int n_layer = 0;
+  int n_head = 0;
+  int n_head_kv = 0;
+  int head_dim = 0;        // key/query head width
+  int head_dim_v = 0;      // value head width
+  int n_ctx_train = 0;
+  int n_ff = 0;            // dense FFN width (0 for pure MoE)
+  int n_expert = 0;        // routed experts per layer (0 for dense)
+  int n_expert_used = 0;
+  int n_ff_exp = 0;        // width of one routed expert
+  float rms_eps = 1e-6f;
+  float rope_base = 10000.0f;
+  float rope_freq_scale = 1.0f;
+  int n_rot = 0;           // rotated dims per head
+  bool tied_output = false;
+};
+
+// Where a tensor's bytes are. Today every weight is in host memory (the file mapping or a host copy);
+// the GPU backend adds device-resident weights and the plan decides per tensor.
+enum class Residence { Host, Device };
+
+// One weight as the forward pass sees it. 3-D expert tensors are sliced with expert(e).
+struct Weight {
+  const gguf::TensorInfo* info = nullptr;
+  DType type = DType::F32;
+  int64_t ne[4] = {1, 1, 1, 1};   // ne[0] = row length (inputs), ne[1] = rows (outputs), ne[2] = experts
+  size_t row_bytes = 0;
+  const uint8_t* host = nullptr;
+  Residence residence = Residence::Host;
+
+  explicit operator bool() const { return info != nullptr; }
+  int64_t cols() const { return ne[0]; }
+  int64_t rows() const { return ne[1]; }
+  const uint8_t* row(int64_t r) const { return host + static_cast<size_t>(r) * row_bytes; }
+  // The 2-D matrix of expert e of a 3-D expert tensor.
+  Weight expert(int64_t e) const {
+    Weight w = *this;
+    w.ne[2] = 1;
+    w.host = host + static_cast<size_t>(e) * row_bytes * static_cast<size_t>(ne[1]);
+    return w;
+  }
+  size_t matrix_bytes() const { return row_bytes * static_cast<size_t>(ne[1]); }
+  // Host copy of a 1-D f32 tensor (norm weights) for ops that want floats.
+  const float* f32() const { return reinterpret_cast<const float*>(host); }
+};
+
+struct LoadOptions {
+  bool verbose = false;
+};
+
+// Per-sequence state: KV cache (and later recurrent state), sized for n_ctx positions.
+class ModelState {
+ public:
+  virtual ~ModelState() = default;
+  int n_ctx() const { return n_ctx_; }
+  int n_past() const { return n_past_; }
+  // Forget positions >= n (n <= n_past): used by chat to rewind and by speculative decoding.
+  virtual void truncate(int n) { n_past_ = n < n_past_ ? n : n_past_; }
+  void reset() { truncate(0); }
+  virtual size_t bytes() const = 0;
+
+ protected:
+  int n_ctx_ = 0;
+  int n_past_ = 0;
+  friend class Model;
+  void advance(int n) { n_past_ += n; }
+};
+
+struct StateOptions {
+  int n_ctx = 4096;
+  DType kv_type = DType::F16;  // F16 (default, as the reference) or F32
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+  // Opens, validates and maps a GGUF; throws fitmoe::Error naming the problem (unknown architecture,
+  // missing tensor, shape that disagrees with the hyperparameters, ...).
+  static std::unique_ptr<Model> load(const std::string& path, const LoadOptions& opt = {});
+  static std::vector<std::string> supported_architectures();
+
+  const ModelConfig& config() const { return cfg_; }
+  const gguf::File& file() const { return *file_; }
+  std::shared_ptr<gguf::File> file_ptr() const { return file_; }
+
+  virtual std::unique_ptr<ModelState> new_state(const StateOptions& opt) const = 0;
+
+  // Evaluates tokens at positions state.n_past() .. n_past()+n-1 as one batch and advances the state.
+  // Logits of the last `n_logits` positions (1 = the last one only, n = all) are written to logits,
+  // row-major [n_logits][n_vocab]; logits may be null when n_logits is 0.
+  void forward(ModelState& state, ThreadPool& pool, std::span<const int32_t> tokens, int n_logits,
+               float* logits) const;
+
+  // Bytes of weights a decode step reads for one token (routed experts counted as n_expert_used of
+  // n_expert), used to state achieved bandwidth.
+  virtual double bytes_per_token() const = 0;
+
+ protected:
+  virtual void forward_impl(ModelState& state, ThreadPool& pool, std::span<const int32_t> tokens,
+                            int n_logits, float* logits) const = 0;
+  // Looks up a tensor and checks its type is computable and its shape is exactly `ne` (1s may be
+  // omitted). Throws Error naming the tensor when it is missing (unless optional) or misshapen.
+  Weight tensor(const std::string& name, std::vector<int64_t> ne, bool optional = false) const;
+
+  std::shared_ptr<gguf::File> file_;
+  ModelConfig cfg_;
+};
+
+}  // namespace fitmoe

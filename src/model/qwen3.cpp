@@ -1,0 +1,234 @@
+// Qwen3 (dense) and Qwen3-MoE: the forward pass on the CPU.
+//
+// Per layer: RMSNorm -> Q, K, V -> per-head RMSNorm of Q and K -> NeoX RoPE -> causal GQA attention
+// (scale 1/sqrt(head_dim)) -> output projection -> residual; RMSNorm -> FFN (SwiGLU, or router softmax
+// -> top-k renormalised -> SwiGLU experts) -> residual. Final RMSNorm and the output head (or the tied
+// embedding).
+#include <cmath>
+#include <cstring>
+
+#include "model/architectures.h"
+#include "runtime/cpu_ops.h"
+#include "runtime/error.h"
+
+namespace fitmoe {
+
+namespace {
+
+struct Layer {
+  Weight attn_norm, wq, wk, wv, wo, q_norm, k_norm, ffn_norm;
+  Weight ffn_gate, ffn_up, ffn_down;               // dense
+  Weight router;                                   // MoE: ffn_gate_inp, F32 [n_embd, n_expert]
+  cpu::ExpertWeights experts;
+};
+
+class Qwen3State final : public ModelState {
+ public:
+  Qwen3State(const ModelConfig& c, const StateOptions& opt) : kv_type(opt.kv_type) {
+    if (kv_type != DType::F16 && kv_type != DType::F32)
+      throw Error(std::string("KV cache type ") + dtype_name(kv_type) + " is not supported on the CPU (use f16 or f32)");
+    n_ctx_ = opt.n_ctx;
+    const size_t es = kv_type == DType::F16 ? 2 : 4;
+    k_row = static_cast<int64_t>(c.n_head_kv) * c.head_dim * es;
+    v_row = static_cast<int64_t>(c.n_head_kv) * c.head_dim_v * es;
+    k.resize(c.n_layer);
+    v.resize(c.n_layer);
+    for (int l = 0; l < c.n_layer; ++l) {
+      k[l].assign(static_cast<size_t>(k_row) * n_ctx_, 0);
+      v[l].assign(static_cast<size_t>(v_row) * n_ctx_, 0);
+    }
+  }
+  size_t bytes() const override { return (k_row + v_row) * static_cast<size_t>(n_ctx_) * k.size(); }
+  cpu::KvView view(int l) { return {kv_type, k[l].data(), v[l].data(), k_row, v_row}; }
+
+  DType kv_type;
+  int64_t k_row = 0, v_row = 0;
+  std::vector<std::vector<uint8_t>> k, v;
+  cpu::Scratch scratch;
+};
+
+class Qwen3Model final : public Model {
+ public:
+  Qwen3Model(std::shared_ptr<gguf::File> file, const LoadOptions& opt) {
+    file_ = std::move(file);
+    const gguf::File& f = *file_;
+    ModelConfig& c = cfg_;
+    c.arch = std::string(f.get_string("general.architecture"));
+    c.name = std::string(f.opt_string("general.name").value_or(""));
+    const std::string a = c.arch + ".";
+    const bool moe = c.arch == "qwen3moe";
+    c.n_layer = static_cast<int>(f.get_uint(a + "block_count"));
+    c.n_embd = static_cast<int>(f.get_uint(a + "embedding_length"));
+    c.n_head = static_cast<int>(f.get_uint(a + "attention.head_count"));
+    c.n_head_kv = static_cast<int>(f.opt_uint(a + "attention.head_count_kv").value_or(c.n_head));
+    c.head_dim = static_cast<int>(f.opt_uint(a + "attention.key_length").value_or(c.n_head ? c.n_embd / c.n_head : 0));
+    c.head_dim_v = static_cast<int>(f.opt_uint(a + "attention.value_length").value_or(c.head_dim));
+    c.n_ctx_train = static_cast<int>(f.opt_uint(a + "context_length").value_or(4096));
+    c.rms_eps = static_cast<float>(f.get_float(a + "attention.layer_norm_rms_epsilon"));
+    c.rope_base = static_cast<float>(f.opt_float(a + "rope.freq_base").value_or(10000.0));
+    c.n_rot = static_cast<int>(f.opt_uint(a + "rope.dimension_count").value_or(c.head_dim));
+    if (auto st = f.opt_string(a + "rope.scaling.type"); st && *st != "none" && *st != "linear")
+      throw Error(f.path() + ": rope scaling '" + std::string(*st) + "' is not supported yet");
+    if (auto fs = f.opt_float(a + "rope.scaling.factor"); fs && *fs > 0) c.rope_freq_scale = 1.0f / static_cast<float>(*fs);
+    if (moe) {
+      c.n_expert = static_cast<int>(f.get_uint(a + "expert_count"));
+      c.n_expert_used = static_cast<int>(f.get_uint(a + "expert_used_count"));
+      c.n_ff_exp = static_cast<int>(f.get_uint(a + "expert_feed_forward_length"));
+    } else {
+      c.n_ff = static_cast<int>(f.get_uint(a + "feed_forward_length"));
+    }
+    validate_config();
+
+    const int64_t E = c.n_embd, hd = c.head_dim, hdv = c.head_dim_v;
+    // The vocabulary size is the embedding's row count (tokenizer arrays may be padded differently).
+    if (const gguf::TensorInfo* te = f.find_tensor("token_embd.weight")) c.n_vocab = static_cast<int>(te->ne[1]);
+    tok_embd_ = tensor("token_embd.weight", {E, c.n_vocab});
+    output_norm_ = tensor("output_norm.weight", {E});
+    output_ = tensor("output.weight", {E, c.n_vocab}, /*optional=*/true);
+    c.tied_output = !output_;
+    if (!output_) output_ = tok_embd_;
+    layers_.resize(c.n_layer);
+    for (int l = 0; l < c.n_layer; ++l) {
+      Layer& L = layers_[l];
+      const std::string p = "blk." + std::to_string(l) + ".";
+      L.attn_norm = tensor(p + "attn_norm.weight", {E});
+      L.wq = tensor(p + "attn_q.weight", {E, hd * c.n_head});
+      L.wk = tensor(p + "attn_k.weight", {E, hd * c.n_head_kv});
+      L.wv = tensor(p + "attn_v.weight", {E, hdv * c.n_head_kv});
+      L.wo = tensor(p + "attn_output.weight", {hdv * c.n_head, E});
+      L.q_norm = tensor(p + "attn_q_norm.weight", {hd});
+      L.k_norm = tensor(p + "attn_k_norm.weight", {hd});
+      L.ffn_norm = tensor(p + "ffn_norm.weight", {E});
+      if (moe) {
+        L.router = tensor(p + "ffn_gate_inp.weight", {E, c.n_expert});
+        L.experts.gate = tensor(p + "ffn_gate_exps.weight", {E, c.n_ff_exp, c.n_expert});
+        L.experts.up = tensor(p + "ffn_up_exps.weight", {E, c.n_ff_exp, c.n_expert});
+        L.experts.down = tensor(p + "ffn_down_exps.weight", {c.n_ff_exp, E, c.n_expert});
+      } else {
+        L.ffn_gate = tensor(p + "ffn_gate.weight", {E, c.n_ff});
+        L.ffn_up = tensor(p + "ffn_up.weight", {E, c.n_ff});
+        L.ffn_down = tensor(p + "ffn_down.weight", {c.n_ff, E});
+      }
+    }
+    for (const Weight* w : {&output_norm_}) require_f32(*w);
+    for (auto& L : layers_)
+      for (const Weight* w : {&L.attn_norm, &L.q_norm, &L.k_norm, &L.ffn_norm, &L.router})
+        if (*w) require_f32(*w);
+  }
+
+  std::unique_ptr<ModelState> new_state(const StateOptions& opt) const override {
+    return std::make_unique<Qwen3State>(cfg_, opt);
+  }
+
+  double bytes_per_token() const override {
+    double b = static_cast<double>(output_.matrix_bytes());
+    for (auto& L : layers_) {
+      for (const Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.ffn_gate, &L.ffn_up, &L.ffn_down, &L.router})
+        if (*w) b += static_cast<double>(w->matrix_bytes());
+      if (L.experts.gate) {
+        double per_expert = static_cast<double>(L.experts.gate.matrix_bytes() + L.experts.up.matrix_bytes() +
+                                                L.experts.down.matrix_bytes());
+        b += per_expert * cfg_.n_expert_used;
+      }
+    }
+    return b;
+  }
+
+ protected:
+  void forward_impl(ModelState& st, ThreadPool& pool, std::span<const int32_t> tokens, int n_logits,
+                    float* logits) const override {
+    auto& S = static_cast<Qwen3State&>(st);
+    auto& scratch = S.scratch;
+    const ModelConfig& c = cfg_;
+    const int T = static_cast<int>(tokens.size());
+    const int pos0 = st.n_past();
+    const int E = c.n_embd, hd = c.head_dim, hdv = c.head_dim_v;
+    const int q_w = c.n_head * hd, k_w = c.n_head_kv * hd, v_w = c.n_head_kv * hdv;
+
+    float* x = scratch.floats(0, static_cast<size_t>(T) * E);     // residual stream
+    float* xn = scratch.floats(1, static_cast<size_t>(T) * E);    // normed input of a block
+    float* q = scratch.floats(2, static_cast<size_t>(T) * q_w);
+    float* k = scratch.floats(3, static_cast<size_t>(T) * k_w);
+    float* v = scratch.floats(4, static_cast<size_t>(T) * v_w);
+    float* att = scratch.floats(5, static_cast<size_t>(T) * c.n_head * hdv);
+    float* y = scratch.floats(6, static_cast<size_t>(T) * E);     // block output before the residual add
+    float* router = scratch.floats(7, static_cast<size_t>(T) * std::max(c.n_expert, 1));
+    std::vector<int32_t> chosen(static_cast<size_t>(T) * std::max(c.n_expert_used, 1));
+    std::vector<float> chosen_w(chosen.size());
+
+    cpu::embed(pool, tok_embd_, tokens, x);
+    for (int l = 0; l < c.n_layer; ++l) {
+      const Layer& L = layers_[l];
+      // Attention block.
+      cpu::rms_norm(x, L.attn_norm.f32(), xn, E, T, c.rms_eps, E, E);
+      {
+        DType act = dtype_info(L.wq.type).act_type;
+        uint8_t* buf = scratch.bytes(30, cpu::quantized_acts_bytes(act, E, T));
+        cpu::QuantizedActs xa = cpu::quantize_acts(pool, act, xn, E, E, T, buf);
+        cpu::matmul(pool, L.wq, xa, q, q_w);
+        auto project = [&](const Weight& w, float* out, int ld) {
+          if (dtype_info(w.type).act_type == act) cpu::matmul(pool, w, xa, out, ld);
+          else cpu::matmul(pool, w, xn, E, T, out, ld, scratch, 31);
+        };
+        project(L.wk, k, k_w);
+        project(L.wv, v, v_w);
+      }
+      cpu::rms_norm(q, L.q_norm.f32(), q, hd, T * c.n_head, c.rms_eps, hd, hd);
+      cpu::rms_norm(k, L.k_norm.f32(), k, hd, T * c.n_head_kv, c.rms_eps, hd, hd);
+      cpu::rope_neox(q, T, c.n_head, hd, q_w, c.n_rot, pos0, c.rope_base, c.rope_freq_scale);
+      cpu::rope_neox(k, T, c.n_head_kv, hd, k_w, c.n_rot, pos0, c.rope_base, c.rope_freq_scale);
+      cpu::KvView kv = S.view(l);
+      cpu::kv_store(kv, pos0, T, k, k_w, v, v_w, k_w, v_w);
+      cpu::attention(pool, q, q_w, kv, pos0, T, c.n_head, c.n_head_kv, hd, hdv,
+                     1.0f / std::sqrt(static_cast<float>(hd)), att, c.n_head * hdv, scratch, 32);
+      cpu::matmul(pool, L.wo, att, c.n_head * hdv, T, y, E, scratch, 33);
+      for (int64_t i = 0; i < static_cast<int64_t>(T) * E; ++i) x[i] += y[i];
+
+      // FFN block.
+      cpu::rms_norm(x, L.ffn_norm.f32(), xn, E, T, c.rms_eps, E, E);
+      if (L.router) {
+        cpu::matmul(pool, L.router, xn, E, T, router, c.n_expert, scratch, 34);
+        for (int t = 0; t < T; ++t)
+          cpu::route_softmax_topk(router + static_cast<int64_t>(t) * c.n_expert, c.n_expert, c.n_expert_used, true,
+                                  chosen.data() + t * c.n_expert_used, chosen_w.data() + t * c.n_expert_used);
+        cpu::moe_ffn(pool, L.experts, xn, T, E, chosen.data(), chosen_w.data(), c.n_expert_used, y, scratch);
+      } else {
+        cpu::dense_ffn(pool, L.ffn_gate, L.ffn_up, L.ffn_down, xn, T, y, scratch);
+      }
+      for (int64_t i = 0; i < static_cast<int64_t>(T) * E; ++i) x[i] += y[i];
+    }
+    if (n_logits == 0) return;
+    const float* last = x + static_cast<int64_t>(T - n_logits) * E;
+    cpu::rms_norm(last, output_norm_.f32(), xn, E, n_logits, c.rms_eps, E, E);
+    cpu::matmul(pool, output_, xn, E, n_logits, logits, c.n_vocab, scratch, 35);
+  }
+
+ private:
+  void validate_config() {
+    const ModelConfig& c = cfg_;
+    auto bad = [&](const std::string& what) { throw Error(file_->path() + ": " + c.arch + ": " + what); };
+    if (c.n_layer <= 0 || c.n_layer > 1024) bad("block_count out of range");
+    if (c.n_embd <= 0 || c.n_head <= 0 || c.n_head_kv <= 0 || c.head_dim <= 0 || c.head_dim_v <= 0)
+      bad("attention sizes must be positive");
+    if (c.n_head % c.n_head_kv != 0) bad("head_count must be a multiple of head_count_kv");
+    if (c.n_rot <= 0 || c.n_rot > c.head_dim || c.n_rot % 2) bad("rope dimension count out of range");
+    if (c.arch == "qwen3moe" && (c.n_expert <= 0 || c.n_expert_used <= 0 || c.n_expert_used > c.n_expert || c.n_ff_exp <= 0))
+      bad("expert counts out of range");
+    if (c.arch == "qwen3" && c.n_ff <= 0) bad("feed_forward_length must be positive");
+  }
+  void require_f32(const Weight& w) const {
+    if (w.type != DType::F32)
+      throw Error(file_->path() + ": tensor " + w.info->name + " must be f32, found " + dtype_name(w.type));
+  }
+
+  Weight tok_embd_, output_norm_, output_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+std::unique_ptr<Model> make_qwen3_model(std::shared_ptr<gguf::File> file, const LoadOptions& opt) {
+  return std::make_unique<Qwen3Model>(std::move(file), opt);
+}
+
+}  // namespace fitmoe

@@ -1,0 +1,282 @@
+#include "model/synthetic.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <numeric>
+#include <random>
+#include <sstream>
+
+#include "format/gguf.h"
+#include "quant/kernels.h"
+#include "runtime/error.h"
+#include "runtime/thread_pool.h"
+
+namespace fitmoe {
+
+namespace {
+
+struct Shape {
+  int n_layer, n_embd, n_head, n_head_kv, head_dim, n_vocab, n_ctx;
+  int n_ff;                      // dense FFN (qwen3) or the unused feed_forward_length (qwen3moe)
+  int n_expert, n_expert_used, n_ff_exp;
+  float rope_base;
+  bool tied;
+};
+
+// Real shapes from the models' published configs (docs/models in the shared facts).
+const std::map<std::string, std::map<std::string, Shape>>& presets() {
+  static const std::map<std::string, std::map<std::string, Shape>> p = {
+      {"qwen3moe",
+       {{"30b-a3b", {48, 2048, 32, 4, 128, 151936, 40960, 6144, 128, 8, 768, 1e6f, false}},
+        {"tiny", {2, 256, 8, 2, 32, 1024, 4096, 768, 8, 2, 256, 1e6f, false}}}},
+      {"qwen3",
+       {{"0.6b", {28, 1024, 16, 8, 128, 151936, 40960, 3072, 0, 0, 0, 1e6f, true}},
+        {"tiny", {2, 256, 4, 2, 32, 1024, 4096, 256, 0, 0, 0, 1e6f, false}}}},
+  };
+  return p;
+}
+
+// The reference's "more bits" layers for attn_v and ffn_down in the _M mixes.
+bool use_more_bits(int i, int n) { return i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2; }
+
+// K-quants need rows that are a multiple of 256; the reference then falls back to a 32-block type.
+DType fallback(DType t, int64_t ncols) {
+  if (ncols % 256 == 0) return t;
+  switch (t) {
+    case DType::Q4_K: return DType::Q5_0;
+    case DType::Q5_K: return DType::Q5_1;
+    case DType::Q6_K: return DType::Q8_0;
+    case DType::Q2_K: case DType::Q3_K: case DType::IQ4_XS: return DType::IQ4_NL;
+    default: return t;
+  }
+}
+
+enum class Role { Norm, Router, Embedding, Output, AttnQ, AttnK, AttnV, AttnOut, FfnGate, FfnUp, FfnDown };
+
+struct FileType {
+  const char* name;
+  uint32_t llama_ftype;  // general.file_type as the reference numbers it
+  DType base;
+};
+const FileType kFileTypes[] = {
+    {"q4_k_m", 15, DType::Q4_K}, {"q6_k", 18, DType::Q6_K}, {"q8_0", 7, DType::Q8_0},
+    {"q4_0", 2, DType::Q4_0},    {"f16", 1, DType::F16},    {"bf16", 32, DType::BF16},
+    {"f32", 0, DType::F32},
+};
+
+DType pick_type(const FileType& ft, Role role, int layer, int n_layer, int64_t ncols, bool tied) {
+  if (role == Role::Norm || role == Role::Router) return DType::F32;
+  const std::string name = ft.name;
+  DType t = ft.base;
+  if (name == "q4_k_m") {
+    if (role == Role::Output || (role == Role::Embedding && tied)) t = DType::Q6_K;
+    else if ((role == Role::AttnV || role == Role::FfnDown) && use_more_bits(layer, n_layer)) t = DType::Q6_K;
+  } else if (name == "q4_0" || name == "q6_k") {
+    if (role == Role::Output || (role == Role::Embedding && tied)) t = DType::Q6_K;
+  }
+  return fallback(t, ncols);
+}
+
+struct PlannedTensor {
+  std::string name;
+  DType type;
+  std::vector<int64_t> ne;
+  Role role;
+  float stddev;
+  std::vector<float> row_scale;  // router skew: per-row (expert) multiplier
+};
+
+uint64_t mix(uint64_t a, uint64_t b) {
+  uint64_t z = a ^ (b + 0x9E3779B97F4A7C15ull + (a << 6) + (a >> 2));
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+std::vector<std::string> synthetic_presets(const std::string& arch) {
+  std::vector<std::string> out;
+  auto it = presets().find(arch);
+  if (it != presets().end())
+    for (auto& [k, v] : it->second) out.push_back(k);
+  return out;
+}
+
+SyntheticSummary write_synthetic_model(const SyntheticSpec& spec, const std::string& path, ThreadPool& pool,
+                                       const std::function<void(uint64_t, uint64_t)>& progress) {
+  auto arch_it = presets().find(spec.arch);
+  if (arch_it == presets().end()) throw Error("gen-model: unknown architecture '" + spec.arch + "' (qwen3moe, qwen3)");
+  auto pre_it = arch_it->second.find(spec.preset);
+  if (pre_it == arch_it->second.end()) {
+    std::string list;
+    for (auto& p : synthetic_presets(spec.arch)) list += (list.empty() ? "" : ", ") + p;
+    throw Error("gen-model: unknown preset '" + spec.preset + "' for " + spec.arch + " (" + list + ")");
+  }
+  const FileType* ft = nullptr;
+  for (const auto& f : kFileTypes)
+    if (spec.type == f.name) ft = &f;
+  if (!ft) throw Error("gen-model: unknown type '" + spec.type + "' (q4_k_m, q6_k, q8_0, q4_0, f16, bf16, f32)");
+  Shape s = pre_it->second;
+  if (spec.layers < 0 || spec.layers > 1024) throw Error("gen-model: --layers out of range");
+  const int full_layers = s.n_layer;
+  if (spec.layers > 0) s.n_layer = spec.layers;
+  const bool moe = spec.arch == "qwen3moe";
+  if (spec.router_skew != 0 && !moe) throw Error("gen-model: --router-skew needs an MoE architecture");
+  if (spec.router_skew < 0) throw Error("gen-model: --router-skew must be >= 0");
+
+  gguf::Writer w;
+  const std::string a = spec.arch + ".";
+  w.set_string("general.architecture", spec.arch);
+  w.set_string("general.name", "fitmoe-synthetic-" + spec.arch + "-" + spec.preset +
+                                   (spec.layers ? "-" + std::to_string(spec.layers) + "l" : "") + "-" + ft->name);
+  w.set_u32("general.file_type", ft->llama_ftype);
+  w.set_u32("general.quantization_version", 2);
+  w.set_bool("fitmoe.synthetic", true);
+  w.set_u64("fitmoe.synthetic.seed", spec.seed);
+  w.set_f32("fitmoe.synthetic.router_skew", spec.router_skew);
+  w.set_u32(a + "block_count", s.n_layer);
+  w.set_u32(a + "context_length", s.n_ctx);
+  w.set_u32(a + "embedding_length", s.n_embd);
+  w.set_u32(a + "feed_forward_length", s.n_ff);
+  w.set_u32(a + "attention.head_count", s.n_head);
+  w.set_u32(a + "attention.head_count_kv", s.n_head_kv);
+  w.set_u32(a + "attention.key_length", s.head_dim);
+  w.set_u32(a + "attention.value_length", s.head_dim);
+  w.set_f32(a + "rope.freq_base", s.rope_base);
+  w.set_f32(a + "attention.layer_norm_rms_epsilon", 1e-6f);
+  if (moe) {
+    w.set_u32(a + "expert_count", s.n_expert);
+    w.set_u32(a + "expert_used_count", s.n_expert_used);
+    w.set_u32(a + "expert_feed_forward_length", s.n_ff_exp);
+  }
+
+  // Plan every tensor: name, type by the mix rules, shape, and the spread of its random values.
+  std::vector<PlannedTensor> plan;
+  auto add = [&](const std::string& name, Role role, int layer, std::vector<int64_t> ne, float sd) {
+    DType t = pick_type(*ft, role, layer, s.n_layer, ne[0], s.tied);
+    if (ne.size() == 1) t = DType::F32;
+    plan.push_back({name, t, std::move(ne), role, sd, {}});
+  };
+  const int64_t E = s.n_embd, hd = s.head_dim;
+  const float in_sd = 1.0f / std::sqrt(static_cast<float>(E));
+  add("token_embd.weight", Role::Embedding, 0, {E, s.n_vocab}, 1.0f);
+  std::mt19937_64 rng(spec.seed);
+  std::ostringstream popularity;
+  for (int l = 0; l < s.n_layer; ++l) {
+    const std::string p = "blk." + std::to_string(l) + ".";
+    add(p + "attn_norm.weight", Role::Norm, l, {E}, 0);
+    add(p + "attn_q.weight", Role::AttnQ, l, {E, hd * s.n_head}, in_sd);
+    add(p + "attn_k.weight", Role::AttnK, l, {E, hd * s.n_head_kv}, in_sd);
+    add(p + "attn_v.weight", Role::AttnV, l, {E, hd * s.n_head_kv}, in_sd);
+    add(p + "attn_output.weight", Role::AttnOut, l, {hd * s.n_head, E}, 1.0f / std::sqrt(static_cast<float>(hd * s.n_head)));
+    add(p + "attn_q_norm.weight", Role::Norm, l, {hd}, 0);
+    add(p + "attn_k_norm.weight", Role::Norm, l, {hd}, 0);
+    add(p + "ffn_norm.weight", Role::Norm, l, {E}, 0);
+    if (moe) {
+      add(p + "ffn_gate_inp.weight", Role::Router, l, {E, s.n_expert}, in_sd);
+      if (spec.router_skew > 0) {
+        // Popular experts get larger router rows: their logits spread wider and win the top-k more
+        // often. Ranks are a random permutation per layer.
+        std::vector<int> rank(static_cast<size_t>(s.n_expert));
+        std::iota(rank.begin(), rank.end(), 0);
+        std::shuffle(rank.begin(), rank.end(), rng);
+        auto& rs = plan.back().row_scale;
+        rs.resize(static_cast<size_t>(s.n_expert));
+        for (int e = 0; e < s.n_expert; ++e) rs[e] = 3.0f * std::pow(1.0f + rank[e], -spec.router_skew);
+      }
+      add(p + "ffn_gate_exps.weight", Role::FfnGate, l, {E, s.n_ff_exp, s.n_expert}, in_sd);
+      add(p + "ffn_up_exps.weight", Role::FfnUp, l, {E, s.n_ff_exp, s.n_expert}, in_sd);
+      add(p + "ffn_down_exps.weight", Role::FfnDown, l, {s.n_ff_exp, E, s.n_expert}, 1.0f / std::sqrt(static_cast<float>(s.n_ff_exp)));
+    } else {
+      add(p + "ffn_gate.weight", Role::FfnGate, l, {E, s.n_ff}, in_sd);
+      add(p + "ffn_up.weight", Role::FfnUp, l, {E, s.n_ff}, in_sd);
+      add(p + "ffn_down.weight", Role::FfnDown, l, {s.n_ff, E}, 1.0f / std::sqrt(static_cast<float>(s.n_ff)));
+    }
+  }
+  add("output_norm.weight", Role::Norm, 0, {E}, 0);
+  if (!s.tied) add("output.weight", Role::Output, 0, {E, s.n_vocab}, in_sd);
+  for (auto& t : plan) w.add_tensor(t.name, t.type, t.ne);
+
+  // Expected routing popularity of the skewed router, by sampling logits ~ N(0, scale_e^2): what share
+  // of routing hits the most popular 10% of experts receive (uniform routing gives 10%).
+  SyntheticSummary sum;
+  if (moe && spec.router_skew > 0) {
+    const auto* router = &plan[0];
+    for (auto& t : plan)
+      if (t.role == Role::Router) { router = &t; break; }
+    std::vector<double> hits(static_cast<size_t>(s.n_expert), 0);
+    std::normal_distribution<float> nd;
+    std::vector<std::pair<float, int>> lg(static_cast<size_t>(s.n_expert));
+    for (int it = 0; it < 20000; ++it) {
+      for (int e = 0; e < s.n_expert; ++e) lg[e] = {nd(rng) * router->row_scale[e], e};
+      std::partial_sort(lg.begin(), lg.begin() + s.n_expert_used, lg.end(), std::greater<>());
+      for (int j = 0; j < s.n_expert_used; ++j) hits[lg[j].second] += 1;
+    }
+    std::sort(hits.begin(), hits.end(), std::greater<>());
+    const int top = std::max(1, s.n_expert / 10);
+    double share = std::accumulate(hits.begin(), hits.begin() + top, 0.0) / std::accumulate(hits.begin(), hits.end(), 0.0);
+    popularity << "router skew " << spec.router_skew << ": the top " << top << " of " << s.n_expert
+               << " experts receive about " << static_cast<int>(share * 100 + 0.5) << "% of routing hits\n";
+  }
+
+  // Data: rows are generated in groups of 64 with a seed per (tensor, group), so the bytes do not
+  // depend on how the writer chunks the file.
+  constexpr int64_t kGroup = 64;
+  std::vector<uint8_t> tmp;
+  auto fill = [&](size_t ti, uint64_t off, uint8_t* buf, size_t len) {
+    const PlannedTensor& t = plan[ti];
+    const size_t rb = row_bytes(t.type, t.ne[0]);
+    if (t.role == Role::Norm) {
+      // Norm weights are ones; the bytes of a 1-D f32 tensor of 1.0f.
+      for (size_t i = 0; i < len; i += 4) {
+        float one = 1.0f;
+        std::memcpy(buf + i, &one, std::min<size_t>(4, len - i));
+      }
+      return;
+    }
+    const int64_t g0 = static_cast<int64_t>(off / rb) / kGroup;
+    const int64_t g1 = static_cast<int64_t>((off + len + rb - 1) / rb + kGroup - 1) / kGroup;
+    int64_t n_rows_total = 1;
+    for (size_t d = 1; d < t.ne.size(); ++d) n_rows_total *= t.ne[d];
+    const size_t span_bytes = static_cast<size_t>((g1 - g0) * kGroup) * rb;
+    if (tmp.size() < span_bytes) tmp.resize(span_bytes);
+    pool.parallel_for(g1 - g0, 1, [&](int64_t b, int64_t e, int) {
+      for (int64_t g = g0 + b; g < g0 + e; ++g) {
+        const int64_t r0 = g * kGroup;
+        const int64_t nr = std::min(kGroup, n_rows_total - r0);
+        if (nr <= 0) continue;
+        uint8_t* dst = tmp.data() + static_cast<size_t>(r0 - g0 * kGroup) * rb;
+        quant::fill_random_rows(t.type, dst, nr, t.ne[0], t.stddev, mix(mix(spec.seed, ti), g));
+        if (!t.row_scale.empty()) {
+          // Router rows are f32: scale each expert's row.
+          for (int64_t r = 0; r < nr; ++r) {
+            float* row = reinterpret_cast<float*>(dst + r * rb);
+            const float sc = t.row_scale[(r0 + r) % t.row_scale.size()];
+            for (int64_t i = 0; i < t.ne[0]; ++i) row[i] *= sc;
+          }
+        }
+      }
+    });
+    std::memcpy(buf, tmp.data() + (off - static_cast<uint64_t>(g0 * kGroup) * rb), len);
+  };
+  w.write(path, fill, progress);
+
+  sum.bytes = w.total_tensor_bytes();
+  sum.n_tensors = static_cast<int>(plan.size());
+  std::map<std::string, uint64_t> by_type;
+  for (size_t i = 0; i < plan.size(); ++i) by_type[dtype_name(plan[i].type)] += w.tensor_bytes(i);
+  std::ostringstream d;
+  d << spec.arch << " " << spec.preset << " shape, " << s.n_layer << (s.n_layer != full_layers ? " of " + std::to_string(full_layers) : "")
+    << " layers, n_embd " << s.n_embd << ", vocab " << s.n_vocab;
+  if (moe) d << ", " << s.n_expert << " experts (" << s.n_expert_used << " active) of width " << s.n_ff_exp;
+  d << "\ntype mix " << ft->name << ":";
+  for (auto& [name, b] : by_type) d << " " << name << " " << (b >> 20) << " MiB;";
+  d << "\n" << popularity.str();
+  sum.description = d.str();
+  return sum;
+}
+
+}  // namespace fitmoe

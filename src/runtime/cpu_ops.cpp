@@ -1,0 +1,406 @@
+#include "runtime/cpu_ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "quant/kernels.h"
+#include "runtime/error.h"
+
+namespace fitmoe::cpu {
+
+// ---- norms, embedding ---------------------------------------------------------------------------
+
+void rms_norm(const float* x, const float* w, float* y, int n, int n_rows, float eps, int64_t ld_x,
+              int64_t ld_y) {
+  for (int r = 0; r < n_rows; ++r) {
+    const float* xr = x + r * ld_x;
+    float* yr = y + r * ld_y;
+    double sum = 0;
+    for (int i = 0; i < n; ++i) sum += static_cast<double>(xr[i] * xr[i]);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(sum / n + eps));
+    if (w) {
+      for (int i = 0; i < n; ++i) yr[i] = (xr[i] * scale) * w[i];
+    } else {
+      for (int i = 0; i < n; ++i) yr[i] = xr[i] * scale;
+    }
+  }
+}
+
+void embed(ThreadPool& pool, const Weight& table, std::span<const int32_t> tokens, float* out) {
+  const int64_t n = table.cols();
+  for (size_t t = 0; t < tokens.size(); ++t) {
+    if (tokens[t] < 0 || tokens[t] >= table.rows())
+      throw Error("token id " + std::to_string(tokens[t]) + " is outside the vocabulary (0.." +
+                  std::to_string(table.rows() - 1) + ")");
+  }
+  pool.parallel_for(static_cast<int64_t>(tokens.size()), 1, [&](int64_t b, int64_t e, int) {
+    for (int64_t t = b; t < e; ++t) quant::dequantize_row_ref(table.type, table.row(tokens[t]), out + t * n, n);
+  });
+}
+
+// ---- matmul -------------------------------------------------------------------------------------
+
+size_t quantized_acts_bytes(DType act_type, int64_t n, int n_rows) {
+  return row_bytes(act_type, n) * static_cast<size_t>(n_rows);
+}
+
+QuantizedActs quantize_acts(ThreadPool& pool, DType act_type, const float* x, int64_t ld_x, int64_t n,
+                            int n_rows, uint8_t* buf) {
+  QuantizedActs q;
+  q.type = act_type;
+  q.n = n;
+  q.stride = row_bytes(act_type, n);
+  q.n_rows = n_rows;
+  q.data = buf;
+  auto fn = quant::quantize_act_fn(act_type);
+  // One row is a microsecond of work: only batches are worth spreading over threads.
+  if (n_rows < 4) {
+    for (int r = 0; r < n_rows; ++r) fn(x + r * ld_x, buf + r * q.stride, n);
+  } else {
+    pool.parallel_for(n_rows, 1, [&](int64_t b, int64_t e, int) {
+      for (int64_t r = b; r < e; ++r) fn(x + r * ld_x, buf + r * q.stride, n);
+    });
+  }
+  return q;
+}
+
+namespace {
+
+// Work split of a (rows x tokens) product: row blocks sized so each thread gets several items
+// (dynamic balancing) while keeping each block long enough to stream weights efficiently, and token
+// blocks that keep the activations of one item in L2.
+struct Tiling {
+  int64_t row_block, tok_block, n_row_blocks, n_tok_blocks;
+};
+
+Tiling plan_tiles(int64_t rows, int64_t tokens, int n_threads) {
+  Tiling t;
+  t.tok_block = std::min<int64_t>(tokens, 64);
+  t.n_tok_blocks = (tokens + t.tok_block - 1) / t.tok_block;
+  int64_t want_items = static_cast<int64_t>(n_threads) * 4;
+  int64_t rb = (rows * t.n_tok_blocks + want_items - 1) / want_items;
+  rb = std::max<int64_t>(16, (rb + 15) / 16 * 16);
+  t.row_block = std::min(rows, rb);
+  t.n_row_blocks = (rows + t.row_block - 1) / t.row_block;
+  return t;
+}
+
+}  // namespace
+
+void matmul(ThreadPool& pool, const Weight& w, const QuantizedActs& x, float* y, int64_t ld_y) {
+  const auto& k = quant::kernels_for(w.type);
+  const int64_t rows = w.rows();
+  const Tiling t = plan_tiles(rows, x.n_rows, pool.size());
+  pool.parallel_for(t.n_row_blocks * t.n_tok_blocks, 1, [&](int64_t b, int64_t e, int) {
+    for (int64_t item = b; item < e; ++item) {
+      int64_t rb = item / t.n_tok_blocks, tb = item % t.n_tok_blocks;
+      int64_t r0 = rb * t.row_block, t0 = tb * t.tok_block;
+      int nr = static_cast<int>(std::min(t.row_block, rows - r0));
+      int nc = static_cast<int>(std::min<int64_t>(t.tok_block, x.n_rows - t0));
+      k.matmul_tile(w.cols(), w.row(r0), w.row_bytes, nr, x.data + t0 * x.stride, x.stride, nc,
+                    y + t0 * ld_y + r0, static_cast<size_t>(ld_y));
+    }
+  });
+}
+
+void matmul(ThreadPool& pool, const Weight& w, const float* x, int64_t ld_x, int n_tokens, float* y,
+            int64_t ld_y, Scratch& scratch, size_t slot) {
+  DType act = dtype_info(w.type).act_type;
+  uint8_t* buf = scratch.bytes(slot, quantized_acts_bytes(act, w.cols(), n_tokens));
+  QuantizedActs q = quantize_acts(pool, act, x, ld_x, w.cols(), n_tokens, buf);
+  matmul(pool, w, q, y, ld_y);
+}
+
+// ---- rope ---------------------------------------------------------------------------------------
+
+void rope_neox(float* x, int n_tokens, int n_heads, int head_dim, int64_t ld, int n_rot, int pos0,
+               float base, float freq_scale) {
+  const float theta_scale = std::pow(base, -2.0f / static_cast<float>(n_rot));
+  const int half = n_rot / 2;
+  std::vector<float> cs(static_cast<size_t>(n_rot));
+  for (int t = 0; t < n_tokens; ++t) {
+    // cos/sin table for this position, angles advanced by repeated multiplication as the reference.
+    float theta = static_cast<float>(pos0 + t);
+    for (int i = 0; i < half; ++i) {
+      const float th = freq_scale * theta;
+      cs[2 * i] = std::cos(th);
+      cs[2 * i + 1] = std::sin(th);
+      theta *= theta_scale;
+    }
+    for (int h = 0; h < n_heads; ++h) {
+      float* v = x + t * ld + static_cast<int64_t>(h) * head_dim;
+      for (int i = 0; i < half; ++i) {
+        const float x0 = v[i], x1 = v[i + half];
+        v[i] = x0 * cs[2 * i] - x1 * cs[2 * i + 1];
+        v[i + half] = x0 * cs[2 * i + 1] + x1 * cs[2 * i];
+      }
+    }
+  }
+}
+
+// ---- attention ----------------------------------------------------------------------------------
+
+namespace {
+
+inline float round_to(DType t, float v) { return t == DType::F16 ? f16_to_f32(f32_to_f16(v)) : v; }
+
+void load_row(DType t, const uint8_t* src, float* dst, int n) {
+  if (t == DType::F16) {
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+    for (int i = 0; i < n; ++i) dst[i] = f16_to_f32(s[i]);
+  } else {
+    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+  }
+}
+
+void store_row(DType t, const float* src, uint8_t* dst, int n) {
+  if (t == DType::F16) {
+    uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+    for (int i = 0; i < n; ++i) d[i] = f32_to_f16(src[i]);
+  } else {
+    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+  }
+}
+
+// Eight independent partial sums so the compiler can keep them in one vector register.
+inline float dot(const float* a, const float* b, int n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
+  float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+}  // namespace
+
+void kv_store(const KvView& kv, int pos0, int n_tokens, const float* k, int64_t ld_k, const float* v,
+              int64_t ld_v, int k_width, int v_width) {
+  for (int t = 0; t < n_tokens; ++t) {
+    store_row(kv.type, k + t * ld_k, kv.k + (pos0 + t) * kv.k_row_bytes, k_width);
+    store_row(kv.type, v + t * ld_v, kv.v + (pos0 + t) * kv.v_row_bytes, v_width);
+  }
+}
+
+void attention(ThreadPool& pool, const float* q, int64_t ld_q, const KvView& kv, int pos0, int n_tokens,
+               int n_head, int n_head_kv, int head_dim, int head_dim_v, float scale, float* out,
+               int64_t ld_out, Scratch& scratch, size_t slot) {
+  const int group = n_head / n_head_kv;
+  const int n_keys_max = pos0 + n_tokens;
+  // Per thread: scores [group][n_keys_max], one K/V row, the group's rounded queries and outputs.
+  const size_t per_thread = static_cast<size_t>(group) * n_keys_max + head_dim + head_dim_v +
+                            static_cast<size_t>(group) * (head_dim + head_dim_v);
+  float* base = scratch.floats(slot, per_thread * pool.size());
+
+  pool.parallel_for(static_cast<int64_t>(n_tokens) * n_head_kv, 1, [&](int64_t b, int64_t e, int tid) {
+    float* scores = base + per_thread * tid;
+    float* row = scores + static_cast<size_t>(group) * n_keys_max;
+    float* qr = row + std::max(head_dim, head_dim_v);
+    float* acc = qr + static_cast<size_t>(group) * head_dim;
+    for (int64_t item = b; item < e; ++item) {
+      const int t = static_cast<int>(item / n_head_kv);
+      const int g = static_cast<int>(item % n_head_kv);
+      const int n_keys = pos0 + t + 1;  // causal: keys at positions <= this query's
+      for (int h = 0; h < group; ++h) {
+        const float* qh = q + t * ld_q + static_cast<int64_t>(g * group + h) * head_dim;
+        for (int d = 0; d < head_dim; ++d) qr[h * head_dim + d] = round_to(kv.type, qh[d]);
+      }
+      for (int j = 0; j < n_keys; ++j) {
+        load_row(kv.type, kv.k + j * kv.k_row_bytes + static_cast<int64_t>(g) * head_dim * dtype_info(kv.type).block_bytes,
+                 row, head_dim);
+        for (int h = 0; h < group; ++h) scores[h * n_keys_max + j] = dot(qr + h * head_dim, row, head_dim);
+      }
+      for (int h = 0; h < group; ++h) {
+        float* s = scores + h * n_keys_max;
+        float mx = -INFINITY;
+        for (int j = 0; j < n_keys; ++j) {
+          s[j] *= scale;
+          mx = std::max(mx, s[j]);
+        }
+        double sum = 0;
+        for (int j = 0; j < n_keys; ++j) {
+          s[j] = std::exp(s[j] - mx);
+          sum += s[j];
+        }
+        const float inv = static_cast<float>(1.0 / sum);
+        for (int j = 0; j < n_keys; ++j) s[j] = round_to(kv.type, s[j] * inv);
+      }
+      std::fill(acc, acc + static_cast<size_t>(group) * head_dim_v, 0.0f);
+      for (int j = 0; j < n_keys; ++j) {
+        load_row(kv.type, kv.v + j * kv.v_row_bytes + static_cast<int64_t>(g) * head_dim_v * dtype_info(kv.type).block_bytes,
+                 row, head_dim_v);
+        for (int h = 0; h < group; ++h) {
+          const float p = scores[h * n_keys_max + j];
+          float* a = acc + h * head_dim_v;
+          for (int d = 0; d < head_dim_v; ++d) a[d] += p * row[d];
+        }
+      }
+      for (int h = 0; h < group; ++h)
+        std::memcpy(out + t * ld_out + static_cast<int64_t>(g * group + h) * head_dim_v, acc + h * head_dim_v,
+                    sizeof(float) * head_dim_v);
+    }
+  });
+}
+
+// ---- FFN ----------------------------------------------------------------------------------------
+
+void swiglu(const float* gate, const float* up, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = g / (1.0f + std::exp(-g)) * up[i];
+  }
+}
+
+void route_softmax_topk(const float* logits, int n_expert, int k, bool renormalise, int32_t* experts,
+                        float* weights) {
+  float mx = -INFINITY;
+  for (int e = 0; e < n_expert; ++e) mx = std::max(mx, logits[e]);
+  std::vector<float> p(static_cast<size_t>(n_expert));
+  double sum = 0;
+  for (int e = 0; e < n_expert; ++e) {
+    p[e] = std::exp(logits[e] - mx);
+    sum += p[e];
+  }
+  const float inv = static_cast<float>(1.0 / sum);
+  for (int e = 0; e < n_expert; ++e) p[e] *= inv;
+  std::vector<int32_t> idx(static_cast<size_t>(n_expert));
+  std::iota(idx.begin(), idx.end(), 0);
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int32_t a, int32_t b) {
+    return p[a] > p[b] || (p[a] == p[b] && a < b);
+  });
+  double wsum = 0;
+  for (int j = 0; j < k; ++j) {
+    experts[j] = idx[j];
+    weights[j] = p[idx[j]];
+    wsum += weights[j];
+  }
+  if (renormalise) {
+    const float s = std::max(static_cast<float>(wsum), 6.103515625e-5f);
+    for (int j = 0; j < k; ++j) weights[j] /= s;
+  }
+}
+
+void moe_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tokens, int n_embd,
+             const int32_t* experts, const float* weights, int k, float* out, Scratch& scratch) {
+  const int n_expert = static_cast<int>(w.gate.ne[2]);
+  const int64_t n_ff = w.gate.rows();
+  const int n_assign = n_tokens * k;
+
+  // Group the (token, slot) assignments by expert: expert e owns rows [offset[e], offset[e+1]) of the
+  // grouped buffers, tokens in ascending order, so each expert's weights are read once per batch.
+  std::vector<int> offset(static_cast<size_t>(n_expert) + 1, 0);
+  for (int a = 0; a < n_assign; ++a) {
+    if (experts[a] < 0 || experts[a] >= n_expert) throw Error("router chose an expert out of range");
+    offset[experts[a] + 1]++;
+  }
+  for (int e = 0; e < n_expert; ++e) offset[e + 1] += offset[e];
+  std::vector<int> grouped(static_cast<size_t>(n_assign)), slot_row(static_cast<size_t>(n_assign));
+  {
+    std::vector<int> fill(offset.begin(), offset.end() - 1);
+    for (int a = 0; a < n_assign; ++a) {
+      int row = fill[experts[a]]++;
+      grouped[row] = a;      // assignment index = token * k + slot
+      slot_row[a] = row;
+    }
+  }
+  std::vector<int> active;
+  for (int e = 0; e < n_expert; ++e)
+    if (offset[e + 1] > offset[e]) active.push_back(e);
+
+  // Inputs in the gate/up activation format, gathered per expert.
+  const DType act_in = dtype_info(w.gate.type).act_type;
+  if (dtype_info(w.up.type).act_type != act_in) throw Error("ffn_gate_exps and ffn_up_exps types need the same activation format");
+  const size_t in_stride = row_bytes(act_in, n_embd);
+  uint8_t* xq = scratch.bytes(10, in_stride * n_tokens);
+  QuantizedActs xa = quantize_acts(pool, act_in, x, n_embd, n_embd, n_tokens, xq);
+  uint8_t* xg = scratch.bytes(11, in_stride * n_assign);
+  for (int r = 0; r < n_assign; ++r) std::memcpy(xg + r * in_stride, xa.data + (grouped[r] / k) * in_stride, in_stride);
+
+  float* g = scratch.floats(12, static_cast<size_t>(n_assign) * n_ff);
+  float* u = scratch.floats(13, static_cast<size_t>(n_assign) * n_ff);
+  const DType act_mid = dtype_info(w.down.type).act_type;
+  const size_t mid_stride = row_bytes(act_mid, n_ff);
+  uint8_t* hq = scratch.bytes(14, mid_stride * n_assign);
+  float* d = scratch.floats(15, static_cast<size_t>(n_assign) * n_embd);
+
+  // Items = (active expert, row block); row blocks sized for about 4 items per thread.
+  auto run_experts = [&](const Weight& w3, const Weight* w3b, const uint8_t* acts, size_t act_stride,
+                         float* y, float* yb, int64_t rows) {
+    const auto& kern = quant::kernels_for(w3.type);
+    const auto* kernb = w3b ? &quant::kernels_for(w3b->type) : nullptr;
+    int64_t want = static_cast<int64_t>(pool.size()) * 4;
+    int64_t rb = (rows * static_cast<int64_t>(active.size()) + want - 1) / want;
+    rb = std::min(rows, std::max<int64_t>(16, (rb + 15) / 16 * 16));
+    const int64_t n_rb = (rows + rb - 1) / rb;
+    pool.parallel_for(static_cast<int64_t>(active.size()) * n_rb, 1, [&](int64_t b, int64_t e_, int) {
+      for (int64_t item = b; item < e_; ++item) {
+        const int e = active[item / n_rb];
+        const int64_t r0 = (item % n_rb) * rb;
+        const int nr = static_cast<int>(std::min(rb, rows - r0));
+        const int a0 = offset[e], nc = offset[e + 1] - offset[e];
+        Weight m = w3.expert(e);
+        kern.matmul_tile(m.cols(), m.row(r0), m.row_bytes, nr, acts + a0 * act_stride, act_stride, nc,
+                         y + static_cast<int64_t>(a0) * rows + r0, static_cast<size_t>(rows));
+        if (w3b) {
+          Weight mb = w3b->expert(e);
+          kernb->matmul_tile(mb.cols(), mb.row(r0), mb.row_bytes, nr, acts + a0 * act_stride, act_stride, nc,
+                             yb + static_cast<int64_t>(a0) * rows + r0, static_cast<size_t>(rows));
+        }
+      }
+    });
+  };
+
+  run_experts(w.gate, &w.up, xg, in_stride, g, u, n_ff);
+  auto qmid = quant::quantize_act_fn(act_mid);
+  pool.parallel_for(n_assign, 1, [&](int64_t b, int64_t e, int) {
+    for (int64_t r = b; r < e; ++r) {
+      float* gr = g + r * n_ff;
+      swiglu(gr, u + r * n_ff, gr, n_ff);
+      qmid(gr, hq + r * mid_stride, n_ff);
+    }
+  });
+  run_experts(w.down, nullptr, hq, mid_stride, d, nullptr, n_embd);
+
+  for (int t = 0; t < n_tokens; ++t) {
+    float* o = out + static_cast<int64_t>(t) * n_embd;
+    for (int j = 0; j < k; ++j) {
+      const float wj = weights[t * k + j];
+      const float* dr = d + static_cast<int64_t>(slot_row[t * k + j]) * n_embd;
+      if (j == 0) {
+        for (int i = 0; i < n_embd; ++i) o[i] = dr[i] * wj;
+      } else {
+        for (int i = 0; i < n_embd; ++i) o[i] += dr[i] * wj;
+      }
+    }
+  }
+}
+
+void dense_ffn(ThreadPool& pool, const Weight& gate, const Weight& up, const Weight& down, const float* x,
+               int n_tokens, float* out, Scratch& scratch) {
+  const int64_t n_embd = gate.cols(), n_ff = gate.rows();
+  float* g = scratch.floats(20, static_cast<size_t>(n_tokens) * n_ff);
+  float* u = scratch.floats(21, static_cast<size_t>(n_tokens) * n_ff);
+  DType act = dtype_info(gate.type).act_type;
+  uint8_t* buf = scratch.bytes(22, quantized_acts_bytes(act, n_embd, n_tokens));
+  QuantizedActs xa = quantize_acts(pool, act, x, n_embd, n_embd, n_tokens, buf);
+  matmul(pool, gate, xa, g, n_ff);
+  if (dtype_info(up.type).act_type == act) {
+    matmul(pool, up, xa, u, n_ff);
+  } else {
+    matmul(pool, up, x, n_embd, n_tokens, u, n_ff, scratch, 23);
+  }
+  for (int64_t i = 0; i < n_tokens * n_ff; i += n_ff) swiglu(g + i, u + i, g + i, n_ff);
+  matmul(pool, down, g, n_ff, n_tokens, out, down.rows(), scratch, 24);
+}
+
+int32_t argmax(const float* x, int n) {
+  int32_t best = 0;
+  for (int i = 1; i < n; ++i)
+    if (x[i] > x[best]) best = i;
+  return best;
+}
+
+}  // namespace fitmoe::cpu

@@ -1,0 +1,102 @@
+// The CPU op set the forward passes are written in. Each op is plain C++ over float rows plus the
+// quantized kernels of src/quant; each reproduces the reference's numerics (noted per op) so that
+// fitmoe's logits match llama.cpp's within the testdata tolerances.
+#pragma once
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "model/model.h"
+#include "runtime/thread_pool.h"
+
+namespace fitmoe::cpu {
+
+// Growable scratch memory owned by a model state, reused across ops and steps so that decode
+// allocates nothing.
+class Scratch {
+ public:
+  uint8_t* bytes(size_t slot, size_t n) {
+    if (slot >= bufs_.size()) bufs_.resize(slot + 1);
+    if (bufs_[slot].size() < n) bufs_[slot].resize(n + n / 4 + 64);
+    return bufs_[slot].data();
+  }
+  float* floats(size_t slot, size_t n) { return reinterpret_cast<float*>(bytes(slot, n * sizeof(float))); }
+
+ private:
+  std::vector<std::vector<uint8_t>> bufs_;
+};
+
+// y = x / sqrt(mean(x^2) + eps) * w for each of n_rows rows of n values (w may be null: no weight).
+// Like ggml: the sum of squares accumulates in double, the scale is a float.
+void rms_norm(const float* x, const float* w, float* y, int n, int n_rows, float eps, int64_t ld_x,
+              int64_t ld_y);
+
+// Embedding rows (any weight type) to f32: out[t] = decode(table row tokens[t]).
+void embed(ThreadPool& pool, const Weight& table, std::span<const int32_t> tokens, float* out);
+
+// Activations converted to a weight type's activation format, one row per token.
+struct QuantizedActs {
+  DType type = DType::F32;
+  int64_t n = 0;          // values per row
+  size_t stride = 0;      // bytes per row
+  int n_rows = 0;
+  const uint8_t* data = nullptr;
+};
+QuantizedActs quantize_acts(ThreadPool& pool, DType act_type, const float* x, int64_t ld_x, int64_t n,
+                            int n_rows, uint8_t* buf);
+size_t quantized_acts_bytes(DType act_type, int64_t n, int n_rows);
+
+// y[t * ld_y + r] = W[r] . x[t] for r < W.rows(), t < n_tokens. Activations already converted with
+// quantize_acts to W's activation format. Splits rows (and tokens, for batches) across threads.
+void matmul(ThreadPool& pool, const Weight& w, const QuantizedActs& x, float* y, int64_t ld_y);
+// Convenience: converts x itself (using scratch slot `slot`).
+void matmul(ThreadPool& pool, const Weight& w, const float* x, int64_t ld_x, int n_tokens, float* y,
+            int64_t ld_y, Scratch& scratch, size_t slot);
+
+// Rotary position embedding, NeoX layout (dims i and i + n_rot/2 form a pair), in place on
+// n_tokens x n_heads heads of head_dim values (row stride ld), positions pos0, pos0+1, ...
+// Angles as ggml: theta_i = p * base^(-2i/n_rot) computed by repeated multiplication in f32.
+void rope_neox(float* x, int n_tokens, int n_heads, int head_dim, int64_t ld, int n_rot, int pos0,
+               float base, float freq_scale);
+
+// Causal softmax attention of n_tokens queries at positions pos0.. over the cached keys 0..pos.
+// Reference numerics (llama.cpp without flash attention, f16 cache): Q is rounded to the cache type,
+// scores = Q.K * scale, softmax in f32 (sum in double), probabilities rounded to the cache type, then
+// P.V with f32 accumulation. K/V cache rows: [pos][n_head_kv * head_dim] of kv_type (F16 or F32).
+struct KvView {
+  DType type;
+  uint8_t* k;
+  uint8_t* v;
+  int64_t k_row_bytes;  // bytes per position
+  int64_t v_row_bytes;
+};
+void kv_store(const KvView& kv, int pos0, int n_tokens, const float* k, int64_t ld_k, const float* v,
+              int64_t ld_v, int k_width, int v_width);
+void attention(ThreadPool& pool, const float* q, int64_t ld_q, const KvView& kv, int pos0, int n_tokens,
+               int n_head, int n_head_kv, int head_dim, int head_dim_v, float scale, float* out,
+               int64_t ld_out, Scratch& scratch, size_t slot);
+
+// out = silu(gate) * up, elementwise.
+void swiglu(const float* gate, const float* up, float* out, int64_t n);
+
+// Router: softmax over n_expert logits, top-k (larger first, lower index on ties), weights
+// renormalised to sum 1 with the sum clamped from below at 6.1e-5 (as the reference).
+void route_softmax_topk(const float* logits, int n_expert, int k, bool renormalise, int32_t* experts,
+                        float* weights);
+
+// Routed SwiGLU experts for a batch: out[t] = sum_j weights[t][j] * down_e(silu(gate_e x) * up_e x)
+// with e = experts[t][j], summed in j order. x are the normed inputs [n_tokens][n_embd].
+struct ExpertWeights {
+  Weight gate, up, down;  // 3-D: [n_embd, n_ff_exp, n_expert] (down: [n_ff_exp, n_embd, n_expert])
+};
+void moe_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tokens, int n_embd,
+             const int32_t* experts, const float* weights, int k, float* out, Scratch& scratch);
+
+// Dense SwiGLU FFN: out = down(silu(gate x) * up x).
+void dense_ffn(ThreadPool& pool, const Weight& gate, const Weight& up, const Weight& down, const float* x,
+               int n_tokens, float* out, Scratch& scratch);
+
+// Index of the largest value, lowest index on ties (the contract's greedy rule).
+int32_t argmax(const float* x, int n);
+
+}  // namespace fitmoe::cpu

@@ -1,0 +1,68 @@
+#include "runtime/session.h"
+
+#include <algorithm>
+
+#include "runtime/error.h"
+
+namespace fitmoe {
+
+Session::Session(const Model& model, const SessionOptions& opt)
+    : model_(model), opt_(opt), pool_(opt.n_threads) {
+  if (opt.n_ctx <= 0) throw Error("context size must be positive");
+  if (opt_.n_batch <= 0) opt_.n_batch = 512;
+  StateOptions so;
+  so.n_ctx = opt.n_ctx;
+  so.kv_type = opt.kv_type;
+  state_ = model.new_state(so);
+}
+
+std::vector<float> Session::eval(std::span<const int32_t> tokens, int n_logits) {
+  const int n = static_cast<int>(tokens.size());
+  const int n_vocab = model_.config().n_vocab;
+  n_logits = std::clamp(n_logits, 0, n);
+  std::vector<float> logits(static_cast<size_t>(n_logits) * n_vocab);
+  for (int b = 0; b < n; b += opt_.n_batch) {
+    const int len = std::min(opt_.n_batch, n - b);
+    // Rows of this batch that fall among the last n_logits positions.
+    const int first_wanted = n - n_logits;
+    const int want = std::max(0, b + len - std::max(first_wanted, b));
+    float* dst = want ? logits.data() + static_cast<size_t>(b + len - want - first_wanted) * n_vocab : nullptr;
+    model_.forward(*state_, pool_, tokens.subspan(b, len), want, dst);
+  }
+  history_.insert(history_.end(), tokens.begin(), tokens.end());
+  return logits;
+}
+
+std::vector<int32_t> Session::generate(std::span<const int32_t> prompt, int n_predict, Sampler& sampler,
+                                       const std::function<bool(int32_t)>& on_token,
+                                       std::span<const int32_t> stop_tokens, GenerationStats* stats) {
+  using clock = std::chrono::steady_clock;
+  std::vector<int32_t> out;
+  if (prompt.empty()) throw Error("generate needs at least one prompt token");
+  const int n_vocab = model_.config().n_vocab;
+  auto t0 = clock::now();
+  std::vector<float> logits = eval(prompt, 1);
+  auto t1 = clock::now();
+  double gen_seconds = 0;
+  for (int i = 0; i < n_predict; ++i) {
+    int32_t tok = sampler.sample(logits.data(), n_vocab, history_);
+    out.push_back(tok);
+    bool go_on = on_token ? on_token(tok) : true;
+    if (std::find(stop_tokens.begin(), stop_tokens.end(), tok) != stop_tokens.end()) break;
+    if (!go_on || i + 1 == n_predict) break;
+    if (n_past() >= n_ctx()) break;
+    auto s = clock::now();
+    logits = eval(std::span<const int32_t>(&tok, 1), 1);
+    gen_seconds += std::chrono::duration<double>(clock::now() - s).count();
+  }
+  if (stats) {
+    stats->n_prompt = static_cast<int>(prompt.size());
+    stats->prompt_seconds = std::chrono::duration<double>(t1 - t0).count();
+    // Decode speed counts the forward passes of generated tokens (the first token comes from prefill).
+    stats->n_generated = static_cast<int>(out.size()) - 1;
+    stats->generate_seconds = gen_seconds;
+  }
+  return out;
+}
+
+}  // namespace fitmoe

@@ -1,0 +1,58 @@
+// A session is what a caller drives: one model, one sequence state, a thread pool. It evaluates
+// batches (prefill), single tokens (decode) and runs generation loops with a sampler.
+#pragma once
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "model/model.h"
+#include "runtime/thread_pool.h"
+#include "text/sampling.h"
+
+namespace fitmoe {
+
+struct SessionOptions {
+  int n_threads = 0;       // 0: all cores
+  int n_ctx = 4096;
+  DType kv_type = DType::F16;
+  int n_batch = 512;       // prompt tokens per forward batch
+};
+
+struct GenerationStats {
+  int n_prompt = 0, n_generated = 0;
+  double prompt_seconds = 0, generate_seconds = 0;
+  double prompt_tps() const { return prompt_seconds > 0 ? n_prompt / prompt_seconds : 0; }
+  double generate_tps() const { return generate_seconds > 0 ? n_generated / generate_seconds : 0; }
+};
+
+class Session {
+ public:
+  Session(const Model& model, const SessionOptions& opt);
+
+  const Model& model() const { return model_; }
+  ModelState& state() { return *state_; }
+  ThreadPool& pool() { return pool_; }
+  int n_past() const { return state_->n_past(); }
+  int n_ctx() const { return state_->n_ctx(); }
+
+  // Evaluates tokens in batches of at most n_batch; returns the logits of the last `n_logits`
+  // positions ([n_logits][n_vocab]). n_logits may exceed one batch.
+  std::vector<float> eval(std::span<const int32_t> tokens, int n_logits = 1);
+
+  // Prompt in batches, then one token per step until n_predict tokens, a stop token or a callback
+  // returning false. on_token sees each generated id.
+  std::vector<int32_t> generate(std::span<const int32_t> prompt, int n_predict, Sampler& sampler,
+                                const std::function<bool(int32_t)>& on_token = nullptr,
+                                std::span<const int32_t> stop_tokens = {}, GenerationStats* stats = nullptr);
+
+ private:
+  const Model& model_;
+  SessionOptions opt_;
+  ThreadPool pool_;
+  std::unique_ptr<ModelState> state_;
+  std::vector<int32_t> history_;
+};
+
+}  // namespace fitmoe
