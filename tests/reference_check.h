@@ -112,7 +112,7 @@ inline void check_greedy(const Model& model, const nlohmann::json& g, const Tole
     if (got[i] != want[i]) break;
     ++checked;
   }
-  RecordProperty(label + "_greedy_checked", static_cast<int>(checked));
+  ::testing::Test::RecordProperty(label + "_greedy_checked", static_cast<int>(checked));
 }
 
 }  // namespace fitmoe::test

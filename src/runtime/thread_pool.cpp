@@ -36,7 +36,9 @@ void ThreadPool::dispatch() {
 }
 
 void ThreadPool::worker(int tid) {
-  uint32_t seen = generation_.load(std::memory_order_acquire);
+  // Generation 0 is the constructor's; reading the live counter here instead would lose a job
+  // dispatched before this thread got scheduled.
+  uint32_t seen = 0;
   for (;;) {
     uint32_t g;
     int spins = 0;
