@@ -13,6 +13,7 @@ namespace fitmoe::cli {
 void add_model_options(CLI::App& app, ModelOptions& o, bool with_ctx) {
   app.add_option("-m,--model", o.model_path, "GGUF model file")->required();
   app.add_option("-t,--threads", o.threads, "CPU threads (0: all cores)")->check(CLI::NonNegativeNumber);
+  app.add_flag("--mmap", o.mmap, "compute from the file mapping instead of loading the weights into memory");
   if (with_ctx) {
     app.add_option("-c,--ctx", o.ctx, "context size in tokens")->check(CLI::PositiveNumber);
     app.add_option("--kv-type", o.kv_type, "KV cache type: f16 (default) or f32")->check(CLI::IsMember({"f16", "f32"}));
@@ -29,7 +30,15 @@ SessionOptions session_options(const ModelOptions& o) {
   return s;
 }
 
-std::unique_ptr<Model> load_model(const ModelOptions& o) { return Model::load(o.model_path); }
+std::unique_ptr<Model> load_model(const ModelOptions& o) {
+  LoadOptions lo;
+  lo.use_mmap = o.mmap;
+  Progress progress("loading " + o.model_path);
+  lo.progress = [&](uint64_t d, uint64_t t) { progress.update(d, t); };
+  auto m = Model::load(o.model_path, lo);
+  progress.finish();
+  return m;
+}
 
 void add_sampler_options(CLI::App& app, SamplerParams& p) {
   app.add_option("--temp", p.temperature, "temperature (0: greedy)");
@@ -70,6 +79,8 @@ double now_seconds() {
 
 void Progress::update(uint64_t done, uint64_t total) {
   if (start_ < 0) start_ = now_seconds();
+  if (total < (64u << 20)) return;  // small jobs finish before a bar would help
+  shown_ = true;
   int permille = total ? static_cast<int>(done * 1000 / total) : 1000;
   static const bool tty = isatty(STDERR_FILENO);
   if (tty ? permille == last_permille_ : permille / 100 == last_permille_ / 100) return;
@@ -89,7 +100,7 @@ void Progress::update(uint64_t done, uint64_t total) {
 }
 
 void Progress::finish() {
-  if (isatty(STDERR_FILENO)) std::fprintf(stderr, "\n");
+  if (shown_ && isatty(STDERR_FILENO)) std::fprintf(stderr, "\n");
 }
 
 std::string human_bytes(double b) {

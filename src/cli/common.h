@@ -20,6 +20,7 @@ struct ModelOptions {
   int ctx = 4096;
   std::string kv_type = "f16";
   int batch = 512;
+  bool mmap = false;
 };
 void add_model_options(CLI::App& app, ModelOptions& o, bool with_ctx = true);
 SessionOptions session_options(const ModelOptions& o);
@@ -42,6 +43,7 @@ class Progress {
   std::string label_;
   int last_permille_ = -1;
   double start_ = -1;
+  bool shown_ = false;
 };
 
 std::string human_bytes(double bytes);

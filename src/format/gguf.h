@@ -95,8 +95,15 @@ class File {
   std::vector<float> get_float_array(std::string_view key) const;
   const std::vector<std::string_view>& get_string_array(std::string_view key) const;
 
-  // Advises the kernel to read the tensor bytes ahead (MADV_WILLNEED) and, optionally, locks nothing.
-  void prefetch(const TensorInfo& t) const;
+  // Copies the tensor data section into anonymous memory (2 MiB aligned, transparent huge pages
+  // advised) with pread, and points every tensor there. Weights then stream from memory the OS will not
+  // page out behind our back, with fewer TLB misses than 4 KiB file pages, and the GPU backend can pin
+  // it for fast uploads. progress(done, total) is called as the bytes arrive.
+  void load_into_memory(const std::function<void(uint64_t, uint64_t)>& progress = nullptr);
+  bool in_memory() const { return copy_ != nullptr; }
+  // The host buffer holding the tensor data (the copy, or the mapping), for pinning.
+  const uint8_t* data_begin() const { return copy_ ? copy_ : base_ + data_offset_; }
+  size_t data_bytes() const { return size_ - data_offset_; }
 
  private:
   File() = default;
@@ -104,6 +111,8 @@ class File {
 
   std::string path_;
   int fd_ = -1;
+  uint8_t* copy_ = nullptr;
+  size_t copy_bytes_ = 0;
   const uint8_t* base_ = nullptr;
   size_t size_ = 0;
   bool owns_mapping_ = false;

@@ -179,6 +179,7 @@ std::shared_ptr<File> File::parse(const uint8_t* data, size_t size, const std::s
 }
 
 File::~File() {
+  if (copy_) munmap(copy_, copy_bytes_);
   if (owns_mapping_ && base_) munmap(const_cast<uint8_t*>(base_), size_);
   if (fd_ >= 0) ::close(fd_);
 }
@@ -406,12 +407,36 @@ const std::vector<std::string_view>& File::get_string_array(std::string_view key
   return v->strings;
 }
 
-void File::prefetch(const TensorInfo& t) const {
-  if (!owns_mapping_) return;
-  long page = sysconf(_SC_PAGESIZE);
-  uintptr_t start = reinterpret_cast<uintptr_t>(t.data) & ~static_cast<uintptr_t>(page - 1);
-  uintptr_t end = reinterpret_cast<uintptr_t>(t.data) + t.nbytes;
-  madvise(reinterpret_cast<void*>(start), end - start, MADV_WILLNEED);
+void File::load_into_memory(const std::function<void(uint64_t, uint64_t)>& progress) {
+  if (copy_) return;
+  const size_t n = data_bytes();
+  if (n == 0) return;
+  constexpr size_t kHuge = 2u << 20;
+  copy_bytes_ = (n + kHuge - 1) / kHuge * kHuge;
+  void* p = mmap(nullptr, copy_bytes_ + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw Error(path_ + ": cannot allocate " + std::to_string(n >> 20) + " MiB for the weights");
+  // Align to 2 MiB so the huge-page advice can take effect, and give back the slack.
+  uintptr_t a = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  size_t head = a - reinterpret_cast<uintptr_t>(p);
+  if (head) munmap(p, head);
+  if (kHuge - head) munmap(reinterpret_cast<uint8_t*>(a) + copy_bytes_, kHuge - head);
+  copy_ = reinterpret_cast<uint8_t*>(a);
+  madvise(copy_, copy_bytes_, MADV_HUGEPAGE);
+  constexpr size_t kChunk = 64u << 20;
+  for (size_t off = 0; off < n;) {
+    size_t len = std::min(kChunk, n - off);
+    if (fd_ >= 0) {
+      ssize_t r = pread(fd_, copy_ + off, len, static_cast<off_t>(data_offset_ + off));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) throw Error(path_ + ": read failed while loading weights: " + (r < 0 ? std::strerror(errno) : "file shrank"));
+      len = static_cast<size_t>(r);
+    } else {
+      std::memcpy(copy_ + off, base_ + data_offset_ + off, len);
+    }
+    off += len;
+    if (progress) progress(off, n);
+  }
+  for (auto& t : tensors_) t.data = copy_ + t.offset;
 }
 
 }  // namespace fitmoe::gguf

@@ -37,7 +37,9 @@ std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
     for (auto& a : supported_architectures()) list += (list.empty() ? "" : ", ") + a;
     throw Error(path + ": unknown or unsupported architecture '" + arch + "' (fitmoe supports: " + list + ")");
   }
-  return it->second(file, opt);
+  auto model = it->second(file, opt);  // validates names, shapes and types before any weight is read
+  if (!opt.use_mmap) file->load_into_memory(opt.progress);
+  return model;
 }
 
 void Model::forward(ModelState& state, ThreadPool& pool, std::span<const int32_t> tokens, int n_logits,

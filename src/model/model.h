@@ -6,6 +6,7 @@
 // the model itself, so the session and the CLI never depend on one architecture's layout.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -70,7 +71,10 @@ struct Weight {
 };
 
 struct LoadOptions {
-  bool verbose = false;
+  // false (default): copy the weights into memory (huge pages) at load; true: compute straight from
+  // the file mapping (instant start, but 4 KiB pages the OS may evict).
+  bool use_mmap = false;
+  std::function<void(uint64_t done, uint64_t total)> progress;
 };
 
 // Per-sequence state: KV cache (and later recurrent state), sized for n_ctx positions.

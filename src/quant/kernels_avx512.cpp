@@ -129,6 +129,7 @@ FM_INLINE __m512i act2(const uint8_t* a, size_t ao, bool two) {
 template <class Wt, int R, int C>
 void tile_q8_0(const Tile& t) {
   const int64_t nb = t.n / 32;
+  const size_t pstep = prefetch_step(t, nb);
   const uint8_t* wr[R];
   const uint8_t* ac[C];
   for (int r = 0; r < R; ++r) wr[r] = t.w + r * t.ws;
@@ -138,8 +139,8 @@ void tile_q8_0(const Tile& t) {
   for (int64_t b = 0; b < nb; b += 2) {
     const bool two = b + 1 < nb;
     const size_t wo = static_cast<size_t>(b) * Wt::kBytes, ao = static_cast<size_t>(b) * kQ8_0Bytes;
-    prefetch_next(t, b, nb);
-    prefetch_next(t, b + 1, nb);
+    prefetch_next(t, pstep, b);
+    prefetch_next(t, pstep, b + 1);
     __m512i A[C], init[C];
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
@@ -185,6 +186,7 @@ struct V5Q5_1 {
 template <class Wt, int R, int C>
 void tile_q8_1(const Tile& t) {
   const int64_t nb = t.n / 32;
+  const size_t pstep = prefetch_step(t, nb);
   const uint8_t* wr[R];
   const uint8_t* ac[C];
   for (int r = 0; r < R; ++r) wr[r] = t.w + r * t.ws;
@@ -193,8 +195,8 @@ void tile_q8_1(const Tile& t) {
   for (int64_t b = 0; b < nb; b += 2) {
     const bool two = b + 1 < nb;
     const size_t wo = static_cast<size_t>(b) * Wt::kBytes, ao = static_cast<size_t>(b) * kQ8_1Bytes;
-    prefetch_next(t, b, nb);
-    prefetch_next(t, b + 1, nb);
+    prefetch_next(t, pstep, b);
+    prefetch_next(t, pstep, b + 1);
     __m512i A[C];
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) A[c] = act2<kQ8_1Bytes, 4>(ac[c], ao, two);
@@ -429,13 +431,14 @@ struct KIQ4XS {
 template <class K, int R, int C>
 void tile_q8_k(const Tile& t) {
   const int64_t nb = t.n / 256;
+  const size_t pstep = prefetch_step(t, nb);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb[R];
     const uint8_t* ab[C];
     for (int r = 0; r < R; ++r) wb[r] = t.w + r * t.ws + static_cast<size_t>(b) * K::kBytes;
     for (int c = 0; c < C; ++c) ab[c] = t.a + c * t.as + static_cast<size_t>(b) * kQ8K_Bytes;
-    prefetch_next(t, b, nb);
+    prefetch_next(t, pstep, b);
     __m512i isum[8];
     __m256i msum[8];
 #pragma GCC unroll 8
@@ -488,8 +491,9 @@ void tile_float(const Tile& t) {
 #pragma GCC unroll 16
   for (int k = 0; k < R * C; ++k) acc[k] = _mm512_setzero_ps();
   const int64_t full = t.n / 16 * 16;
+  const size_t pstep = prefetch_step(t, t.n / 16);
   for (int64_t i = 0; i < full; i += 16) {
-    prefetch_next(t, i / 16, t.n / 16);
+    prefetch_next(t, pstep, i / 16);
     const size_t off = static_cast<size_t>(i) * F::kSize;
     __m512 A[C];
 #pragma GCC unroll 4

@@ -33,10 +33,12 @@ struct Tile {
 
 // The hardware prefetcher does not follow R interleaved short row streams well, so each block
 // iteration pulls an equal, sequential slice of the next tile's weights into L1 (in address order,
-// which also lets the hardware stream prefetcher take over).
-FM_INLINE void prefetch_next(const Tile& t, int64_t b, int64_t nb) {
+// which also lets the hardware stream prefetcher take over). step = prefetch_step(t, nb) once per tile.
+FM_INLINE size_t prefetch_step(const Tile& t, int64_t nb) {
+  return t.pf && nb > 0 ? ((t.pf_span + nb - 1) / static_cast<size_t>(nb) + 63) & ~size_t{63} : 0;
+}
+FM_INLINE void prefetch_next(const Tile& t, size_t step, int64_t b) {
   if (!t.pf) return;
-  const size_t step = ((t.pf_span + nb - 1) / nb + 63) & ~size_t{63};
   const size_t begin = static_cast<size_t>(b) * step;
   const size_t end = begin + step < t.pf_span ? begin + step : t.pf_span;
   for (size_t off = begin; off < end; off += 64) _mm_prefetch(reinterpret_cast<const char*>(t.pf + off), _MM_HINT_T0);
@@ -51,6 +53,13 @@ FM_INLINE __m256i acc_add(__m256i acc, __m256i v) {
   acc = _mm256_add_epi32(acc, v);
   __asm__("" : "+x"(acc));
   return acc;
+}
+
+// Pins a loaded vector in a register: GCC otherwise re-reads it from memory as an operand of every
+// fma that uses it, turning a register-blocked tile into a load-bound one.
+FM_INLINE __m256 keep(__m256 v) {
+  __asm__("" : "+x"(v));
+  return v;
 }
 
 // ---- constants -------------------------------------------------------------------------------------
@@ -277,6 +286,66 @@ void matmul(int64_t n, const void* w, size_t ws, int nr, const void* act, size_t
         table.f[rr][cc](t);
       }
       c += cc;
+    }
+  }
+}
+
+// Float types with several columns: their rows are long (4 or 2 bytes a value), so the k dimension is
+// cut into slices of Fam::kSlice values; per slice, every tile of a block of kRowBlock rows x
+// kColGroup columns runs over that slice with its 16 lanes per pair parked in a buffer in between.
+// The order of the operations per lane is the same as in one pass (canonical order kept).
+using SliceFn = void (*)(const Tile&, int64_t, int64_t, float*, size_t);
+template <class Fam, int R, int C>
+constexpr SliceFn slice_entry() {
+  if constexpr (R >= 1 && C >= 1 && C <= max_cols<Fam>() && R <= Fam::rows_for(C)) return &Fam::template slice<R, C>;
+  else return nullptr;
+}
+template <class Fam>
+struct SliceTable {
+  SliceFn f[9][5];
+};
+template <class Fam, int... I>
+constexpr SliceTable<Fam> make_slice_table(std::integer_sequence<int, I...>) {
+  SliceTable<Fam> t{};
+  ((t.f[I / 5][I % 5] = slice_entry<Fam, I / 5, I % 5>()), ...);
+  return t;
+}
+
+template <class Fam>
+void matmul_float_blocked(int64_t n, const void* w, size_t ws, int nr, const void* act, size_t as, int nc, float* out,
+                          size_t os) {
+  if (nc == 1) {
+    matmul<Fam>(n, w, ws, nr, act, as, nc, out, os);
+    return;
+  }
+  static constexpr SliceTable<Fam> table = make_slice_table<Fam>(std::make_integer_sequence<int, 45>{});
+  constexpr int RB = Fam::kRowBlock, CG = Fam::kColGroup, kC = max_cols<Fam>();
+  alignas(64) float acc[CG * RB * 16];
+  const uint8_t* wb = static_cast<const uint8_t*>(w);
+  const uint8_t* ab = static_cast<const uint8_t*>(act);
+  for (int r0 = 0; r0 < nr; r0 += RB) {
+    const int rn = nr - r0 < RB ? nr - r0 : RB;
+    for (int c0 = 0; c0 < nc; c0 += CG) {
+      const int cn = nc - c0 < CG ? nc - c0 : CG;
+      std::memset(acc, 0, sizeof acc);
+      for (int64_t k0 = 0; k0 < n; k0 += Fam::kSlice) {
+        const int64_t k1 = n - k0 < Fam::kSlice ? n : k0 + Fam::kSlice;
+        for (int c = 0; c < cn;) {
+          const int cc = cn - c < kC ? cn - c : kC;
+          const int R = Fam::rows_for(cc);
+          for (int r = 0; r < rn; r += R) {
+            const int rr = rn - r < R ? rn - r : R;
+            const Tile t{n, wb + (r0 + r) * ws, ws, ab + (c0 + c) * as, as, nullptr, 0, nullptr, 0};
+            table.f[rr][cc](t, k0, k1, acc + (c * RB + r) * 16, RB);
+          }
+          c += cc;
+        }
+      }
+      for (int c = 0; c < cn; ++c)
+        for (int r = 0; r < rn; ++r) {
+          const float* a = acc + (c * RB + r) * 16;
+          out[(c0 + c) * os + r0 + r] = fold16(_mm256_load_ps(a), _mm256_load_ps(a + 8));
+        }
     }
   }
 }

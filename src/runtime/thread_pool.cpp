@@ -2,6 +2,8 @@
 
 #include <immintrin.h>
 
+#include <thread>
+
 namespace fitmoe {
 
 namespace {
@@ -32,7 +34,12 @@ void ThreadPool::dispatch() {
   // worker's increment of sleeping_ before it waits on generation_).
   if (sleeping_.load(std::memory_order_seq_cst) > 0) generation_.notify_all();
   job_(job_ctx_, 0, n_threads_);
-  while (pending_.load(std::memory_order_acquire) != 0) cpu_relax();
+  // Spin for the stragglers, but yield the core if they take long: on an oversubscribed machine the
+  // thread we wait for may need this very core to finish.
+  for (int spins = 0; pending_.load(std::memory_order_acquire) != 0; ++spins) {
+    if (spins < kSpinIterations) cpu_relax();
+    else std::this_thread::yield();
+  }
 }
 
 void ThreadPool::worker(int tid) {
