@@ -165,13 +165,15 @@ class Qwen3Model final : public Model {
         DType act = dtype_info(L.wq.type).act_type;
         uint8_t* buf = scratch.bytes(30, cpu::quantized_acts_bytes(act, E, T));
         cpu::QuantizedActs xa = cpu::quantize_acts(pool, act, xn, E, E, T, buf);
-        cpu::matmul(pool, L.wq, xa, q, q_w);
+        // Q, K and V read the same input: one parallel step when their activation formats agree.
+        std::vector<cpu::MatmulJob> jobs = {{&L.wq, q, q_w}};
         auto project = [&](const Weight& w, float* out, int ld) {
-          if (dtype_info(w.type).act_type == act) cpu::matmul(pool, w, xa, out, ld);
+          if (dtype_info(w.type).act_type == act) jobs.push_back({&w, out, ld});
           else cpu::matmul(pool, w, xn, E, T, out, ld, scratch, 31);
         };
         project(L.wk, k, k_w);
         project(L.wv, v, v_w);
+        cpu::matmul_many(pool, jobs, xa);
       }
       cpu::rms_norm(q, L.q_norm.f32(), q, hd, T * c.n_head, c.rms_eps, hd, hd);
       cpu::rms_norm(k, L.k_norm.f32(), k, hd, T * c.n_head_kv, c.rms_eps, hd, hd);

@@ -89,20 +89,40 @@ Tiling plan_tiles(int64_t rows, int64_t tokens, int n_threads) {
 
 }  // namespace
 
-void matmul(ThreadPool& pool, const Weight& w, const QuantizedActs& x, float* y, int64_t ld_y) {
-  const auto& k = quant::kernels_for(w.type);
-  const int64_t rows = w.rows();
-  const Tiling t = plan_tiles(rows, x.n_rows, pool.size());
-  pool.parallel_for(t.n_row_blocks * t.n_tok_blocks, 1, [&](int64_t b, int64_t e, int) {
+void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs, const QuantizedActs& x) {
+  // Item list over all jobs: (job, row block, token block), tiled as one matrix of all their rows.
+  int64_t total_rows = 0;
+  for (auto& j : jobs) total_rows += j.w->rows();
+  const Tiling t = plan_tiles(total_rows, x.n_rows, pool.size());
+  struct Span { int64_t first_item, n_row_blocks; };
+  std::vector<Span> spans;
+  int64_t n_items = 0;
+  for (auto& j : jobs) {
+    const int64_t nrb = (j.w->rows() + t.row_block - 1) / t.row_block;
+    spans.push_back({n_items, nrb});
+    n_items += nrb * t.n_tok_blocks;
+  }
+  pool.parallel_for(n_items, 1, [&](int64_t b, int64_t e, int) {
+    size_t ji = 0;
     for (int64_t item = b; item < e; ++item) {
-      int64_t rb = item / t.n_tok_blocks, tb = item % t.n_tok_blocks;
-      int64_t r0 = rb * t.row_block, t0 = tb * t.tok_block;
-      int nr = static_cast<int>(std::min(t.row_block, rows - r0));
-      int nc = static_cast<int>(std::min<int64_t>(t.tok_block, x.n_rows - t0));
-      k.matmul_tile(w.cols(), w.row(r0), w.row_bytes, nr, x.data + t0 * x.stride, x.stride, nc,
-                    y + t0 * ld_y + r0, static_cast<size_t>(ld_y));
+      while (ji + 1 < spans.size() && item >= spans[ji + 1].first_item) ++ji;
+      while (item < spans[ji].first_item) --ji;
+      const MatmulJob& job = jobs[ji];
+      const auto& k = quant::kernels_for(job.w->type);
+      const int64_t local = item - spans[ji].first_item;
+      const int64_t rb = local / t.n_tok_blocks, tb = local % t.n_tok_blocks;
+      const int64_t r0 = rb * t.row_block, t0 = tb * t.tok_block;
+      const int nr = static_cast<int>(std::min(t.row_block, job.w->rows() - r0));
+      const int nc = static_cast<int>(std::min<int64_t>(t.tok_block, x.n_rows - t0));
+      k.matmul_tile(job.w->cols(), job.w->row(r0), job.w->row_bytes, nr, x.data + t0 * x.stride, x.stride, nc,
+                    job.y + t0 * job.ld_y + r0, static_cast<size_t>(job.ld_y));
     }
   });
+}
+
+void matmul(ThreadPool& pool, const Weight& w, const QuantizedActs& x, float* y, int64_t ld_y) {
+  const MatmulJob job{&w, y, ld_y};
+  matmul_many(pool, std::span<const MatmulJob>(&job, 1), x);
 }
 
 void matmul(ThreadPool& pool, const Weight& w, const float* x, int64_t ld_x, int n_tokens, float* y,

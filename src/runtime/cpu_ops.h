@@ -49,6 +49,13 @@ size_t quantized_acts_bytes(DType act_type, int64_t n, int n_rows);
 // y[t * ld_y + r] = W[r] . x[t] for r < W.rows(), t < n_tokens. Activations already converted with
 // quantize_acts to W's activation format. Splits rows (and tokens, for batches) across threads.
 void matmul(ThreadPool& pool, const Weight& w, const QuantizedActs& x, float* y, int64_t ld_y);
+// Several products sharing one input (Q, K and V): one parallel step instead of three.
+struct MatmulJob {
+  const Weight* w;
+  float* y;
+  int64_t ld_y;
+};
+void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs, const QuantizedActs& x);
 // Convenience: converts x itself (using scratch slot `slot`).
 void matmul(ThreadPool& pool, const Weight& w, const float* x, int64_t ld_x, int n_tokens, float* y,
             int64_t ld_y, Scratch& scratch, size_t slot);
