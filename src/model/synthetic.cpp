@@ -7,6 +7,7 @@
 #include <numeric>
 #include <random>
 #include <sstream>
+#include <unordered_set>
 
 #include "format/gguf.h"
 #include "quant/kernels.h"
@@ -95,6 +96,78 @@ uint64_t mix(uint64_t a, uint64_t b) {
   return z ^ (z >> 31);
 }
 
+
+// ---- synthetic tokenizer ------------------------------------------------------------------------
+// A byte-level BPE vocabulary grown by random merges (weighted towards letters so that decoded
+// output reads like pseudo-words), with ChatML special tokens. It is a real, self-consistent BPE
+// tokenizer (every token but the bytes and specials is produced by exactly one merge), so text
+// prompts, chat and other engines' loaders all work on synthetic models.
+
+// GPT-2's byte-to-code-point map: printable bytes map to themselves, the others to 256 + k.
+std::string byte_token(int b) {
+  int cp;
+  if ((b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255)) {
+    cp = b;
+  } else {
+    int k = 0;
+    for (int x = 0; x < b; ++x)
+      if (!((x >= 33 && x <= 126) || (x >= 161 && x <= 172) || (x >= 174 && x <= 255))) ++k;
+    cp = 256 + k;
+  }
+  std::string out;
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+  return out;
+}
+
+struct SyntheticVocab {
+  std::vector<std::string> tokens, merges;
+  std::vector<int32_t> types;  // 1 normal, 3 control
+  int32_t bos, eos, im_start;
+};
+
+SyntheticVocab make_vocab(int n_vocab, uint64_t seed) {
+  SyntheticVocab v;
+  const char* specials[] = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"};
+  const int n_regular = n_vocab - 3;
+  for (int b = 0; b < 256; ++b) v.tokens.push_back(byte_token(b));
+  std::unordered_set<std::string> seen(v.tokens.begin(), v.tokens.end());
+  std::mt19937_64 rng(seed);
+  const std::string space = byte_token(' ');
+  // Letters and the space marker seed the merges; later merges combine earlier tokens.
+  std::vector<int> pool;
+  for (char c = 'a'; c <= 'z'; ++c) pool.push_back(static_cast<unsigned char>(c));
+  for (int i = 0; i < 8; ++i) pool.push_back(' ');
+  while (static_cast<int>(v.tokens.size()) < n_regular) {
+    const int a = pool[rng() % pool.size()];
+    const int b = static_cast<int>(v.tokens.size()) > 300 && rng() % 2 ? static_cast<int>(256 + rng() % (v.tokens.size() - 256))
+                                                                       : pool[rng() % pool.size()];
+    if (v.tokens[b] == space) continue;  // spaces lead words, never follow
+    std::string t = v.tokens[a] + v.tokens[b];
+    if (t.size() > 24 || !seen.insert(t).second) continue;
+    v.merges.push_back(v.tokens[a] + " " + v.tokens[b]);
+    v.tokens.push_back(t);
+    if (t.size() <= 8) pool.push_back(static_cast<int>(v.tokens.size()) - 1);
+  }
+  v.types.assign(v.tokens.size(), 1);
+  for (const char* sp : specials) {
+    v.tokens.push_back(sp);
+    v.types.push_back(3);
+  }
+  v.bos = n_regular;
+  v.im_start = n_regular + 1;
+  v.eos = n_regular + 2;
+  return v;
+}
+
+const char* kChatMLTemplate =
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
 }  // namespace
 
 std::vector<std::string> synthetic_presets(const std::string& arch) {
@@ -147,6 +220,19 @@ SyntheticSummary write_synthetic_model(const SyntheticSpec& spec, const std::str
   w.set_u32(a + "attention.value_length", s.head_dim);
   w.set_f32(a + "rope.freq_base", s.rope_base);
   w.set_f32(a + "attention.layer_norm_rms_epsilon", 1e-6f);
+  {
+    SyntheticVocab v = make_vocab(s.n_vocab, spec.seed);
+    w.set_string("tokenizer.ggml.model", "gpt2");
+    w.set_string("tokenizer.ggml.pre", "qwen2");
+    w.set_string_array("tokenizer.ggml.tokens", v.tokens);
+    w.set_i32_array("tokenizer.ggml.token_type", v.types);
+    w.set_string_array("tokenizer.ggml.merges", v.merges);
+    w.set_u32("tokenizer.ggml.bos_token_id", static_cast<uint32_t>(v.bos));
+    w.set_u32("tokenizer.ggml.eos_token_id", static_cast<uint32_t>(v.eos));
+    w.set_u32("tokenizer.ggml.padding_token_id", static_cast<uint32_t>(v.bos));
+    w.set_bool("tokenizer.ggml.add_bos_token", false);
+    w.set_string("tokenizer.chat_template", kChatMLTemplate);
+  }
   if (moe) {
     w.set_u32(a + "expert_count", s.n_expert);
     w.set_u32(a + "expert_used_count", s.n_expert_used);

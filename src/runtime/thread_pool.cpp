@@ -37,7 +37,7 @@ void ThreadPool::dispatch() {
   // Spin for the stragglers, but yield the core if they take long: on an oversubscribed machine the
   // thread we wait for may need this very core to finish.
   for (int spins = 0; pending_.load(std::memory_order_acquire) != 0; ++spins) {
-    if (spins < kSpinIterations) cpu_relax();
+    if (spins < kSpinIterations / 10) cpu_relax();
     else std::this_thread::yield();
   }
 }
