@@ -7,12 +7,16 @@
 //                   way a non-repacking backend runs a matmul (BM_Pairwise), and the scalar reference.
 //   Threads(2):     the rows split between two threads (aggregate throughput of this 2-core box).
 // Run e.g.:  fitmoe_microbench --benchmark_filter='Gemv|Gemm' --benchmark_min_time=0.3
+// (on a shared machine add --benchmark_repetitions=5 and read the max: the mean suffers from neighbours)
 #include <benchmark/benchmark.h>
 
 #include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <random>
 #include <string>
-#include <thread>
+#include <tuple>
 #include <vector>
 
 #include "quant/dtype.h"
@@ -48,6 +52,16 @@ Mats make(DType w, int64_t n, int nr, int copies) {
   return m;
 }
 
+// Matrices are built once per (type, shape) and shared by the benchmark threads.
+const Mats& get_mats(DType w, int nr, int copies) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, int, int>, std::unique_ptr<Mats>> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& slot = cache[{static_cast<int>(w), nr, copies}];
+  if (!slot) slot = std::make_unique<Mats>(make(w, kN, nr, copies));
+  return *slot;
+}
+
 // Splits `nr` rows between the benchmark's threads (multiples of 16 rows).
 void thread_rows(const benchmark::State& st, int nr, int* r0, int* r1) {
   const int t = st.threads(), i = st.thread_index();
@@ -57,10 +71,7 @@ void thread_rows(const benchmark::State& st, int nr, int* r0, int* r1) {
 }
 
 void BM_Gemv(benchmark::State& st, DType w, int copies) {
-  static Mats* cache[64][2] = {};  // keep the (large) matrices across runs
-  Mats*& m = cache[static_cast<int>(w)][copies > 1];
-  if (st.thread_index() == 0 && !m) m = new Mats(make(w, kN, 768 * 8, copies));
-  while (!m) std::this_thread::yield();
+  const Mats* m = &get_mats(w, 768 * 8, copies);
   const MatmulTileFn f = kernels_for(w, Isa(st.range(0))).matmul_tile;
   int r0, r1;
   thread_rows(st, m->nr, &r0, &r1);
@@ -77,10 +88,7 @@ void BM_Gemv(benchmark::State& st, DType w, int copies) {
 }
 
 void BM_Gemm(benchmark::State& st, DType w) {
-  static Mats* cache[64] = {};
-  Mats*& m = cache[static_cast<int>(w)];
-  if (st.thread_index() == 0 && !m) m = new Mats(make(w, kN, 768, 1));
-  while (!m) std::this_thread::yield();
+  const Mats* m = &get_mats(w, 768, 1);
   const int nc = static_cast<int>(st.range(1));
   const MatmulTileFn f = kernels_for(w, Isa(st.range(0))).matmul_tile;
   int r0, r1;
@@ -97,9 +105,7 @@ void BM_Gemm(benchmark::State& st, DType w) {
 
 // Baseline: one kernel call per (row, column), i.e. a vec_dot per output (no tiling, no sharing).
 void BM_Pairwise(benchmark::State& st, DType w) {
-  static Mats* cache[64] = {};
-  Mats*& m = cache[static_cast<int>(w)];
-  if (!m) m = new Mats(make(w, kN, 768, 1));
+  const Mats* m = &get_mats(w, 768, 1);
   const int nc = static_cast<int>(st.range(1));
   const MatmulTileFn f = kernels_for(w, Isa(st.range(0))).matmul_tile;
   std::vector<float> out(static_cast<size_t>(m->nr) * nc);

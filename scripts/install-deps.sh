@@ -4,7 +4,7 @@ set -euo pipefail
 SUDO=""
 [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 PKGS="build-essential cmake ninja-build clang nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev \
-libbenchmark-dev libpcre2-dev libcpp-httplib-dev"
+libbenchmark-dev libpcre2-dev libutf8proc-dev libcpp-httplib-dev pkg-config"
 missing=""
 for p in $PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
 if [ -n "$missing" ]; then

@@ -7,8 +7,11 @@
 // tree into a single vector whose lane k is pair k's exact block sum; the float work is then one
 // fma per block for the whole tile. Lane k <-> (row k % R, column k / R). This reproduces the
 // reference's canonical order bit for bit (see reference.cpp), independent of R and C.
-// Decode (one column) uses R = 8 rows sharing each activation load; prefill uses 2x4 / 4x2 tiles so
-// that every unpacked weight register serves several columns.
+// Decode (one column) uses R = 8 rows sharing each activation load and prefetches the next tile's rows
+// in address order; prefill uses 2x4 / 4x2 tiles so that every unpacked weight register serves
+// several columns, over blocks of 16 rows that stay cache-resident while all columns pass.
+// Float types keep the reference's 16 lanes per pair (two ymm); their prefill runs k-slices of 512
+// values with one ymm per pair per half-slice (2x4 tiles), see matmul_float_blocked.
 #include "quant/kernels_isa.h"
 #include "quant/simd_common.h"
 
@@ -526,6 +529,7 @@ struct FamQ8_0 {
   static void tile(const Tile& t) { tile_q8_0<Wt, R, C>(t); }
   static constexpr int rows_for(int c) { return c == 1 ? 8 : c == 2 ? 4 : 2; }
   static constexpr int kRowBlock = 16;
+  static constexpr bool kPrefetch = true;
 };
 template <class Wt>
 struct FamQ8_1 {
@@ -534,6 +538,7 @@ struct FamQ8_1 {
   static void tile(const Tile& t) { tile_q8_1<Wt, R, C>(t); }
   static constexpr int rows_for(int c) { return c == 1 ? 8 : c == 2 ? 4 : 2; }
   static constexpr int kRowBlock = 16;
+  static constexpr bool kPrefetch = true;
 };
 template <class K>
 struct FamQ8_K {
@@ -542,16 +547,18 @@ struct FamQ8_K {
   static void tile(const Tile& t) { tile_q8_k<K, R, C>(t); }
   static constexpr int rows_for(int c) { return c == 1 ? 8 : c == 2 ? 4 : 2; }
   static constexpr int kRowBlock = 16;
+  static constexpr bool kPrefetch = true;
 };
 template <class F>
 struct FamFloat {
+  static constexpr bool kPrefetch = false;  // long rows: the hardware prefetcher does better alone
   static constexpr size_t row_bytes(int64_t n) { return static_cast<size_t>(n) * F::kSize; }
   template <int R, int C>
   static void tile(const Tile& t) { tile_float<F, R, C>(t); }
   template <int R, int C>
   static void slice(const Tile& t, int64_t k0, int64_t k1, float* acc, size_t ld) { slice_float<F, R, C>(t, k0, k1, acc, ld); }
   static constexpr int64_t kSlice = 512;   // k elements per pass: the row block's slice stays in L1
-  static constexpr int kColGroup = 16;     // columns sharing one accumulator buffer
+  static constexpr int kColGroup = 32;     // columns sharing one accumulator buffer
   static constexpr int rows_for(int c) { return c == 1 ? 4 : c == 2 ? 4 : 2; }
   static constexpr int kRowBlock = 8;
 };

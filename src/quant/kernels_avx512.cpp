@@ -29,6 +29,11 @@ FM_INLINE __m512i acc_add512(__m512i acc, __m512i v) {
   __asm__("" : "+v"(acc));
   return acc;
 }
+// Pins a loaded vector in a register (see keep() in simd_common.h).
+FM_INLINE __m512 keep512(__m512 v) {
+  __asm__("" : "+v"(v));
+  return v;
+}
 FM_INLINE __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
   acc = _mm512_dpwssd_epi32(acc, a, b);
   __asm__("" : "+v"(acc));
@@ -497,7 +502,7 @@ void tile_float(const Tile& t) {
     const size_t off = static_cast<size_t>(i) * F::kSize;
     __m512 A[C];
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) A[c] = F::load(ac[c] + off);
+    for (int c = 0; c < C; ++c) A[c] = keep512(F::load(ac[c] + off));
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512 W = F::load(wr[r] + off);
@@ -530,6 +535,7 @@ struct FamQ8_0 {
   static void tile(const Tile& t) { tile_q8_0<Wt, R, C>(t); }
   static constexpr int rows_for(int c) { return c == 1 ? 8 : c == 2 ? 4 : 2; }
   static constexpr int kRowBlock = 16;
+  static constexpr bool kPrefetch = true;
 };
 template <class Wt>
 struct FamQ8_1 {
@@ -538,6 +544,7 @@ struct FamQ8_1 {
   static void tile(const Tile& t) { tile_q8_1<Wt, R, C>(t); }
   static constexpr int rows_for(int c) { return c == 1 ? 8 : c == 2 ? 4 : 2; }
   static constexpr int kRowBlock = 16;
+  static constexpr bool kPrefetch = true;
 };
 template <class K>
 struct FamQ8_K {
@@ -546,9 +553,11 @@ struct FamQ8_K {
   static void tile(const Tile& t) { tile_q8_k<K, R, C>(t); }
   static constexpr int rows_for(int c) { return c == 1 ? 8 : c == 2 ? 4 : 2; }
   static constexpr int kRowBlock = 16;
+  static constexpr bool kPrefetch = true;
 };
 template <class F>
 struct FamFloat {
+  static constexpr bool kPrefetch = false;  // long rows: the hardware prefetcher does better alone
   static constexpr size_t row_bytes(int64_t n) { return static_cast<size_t>(n) * F::kSize; }
   template <int R, int C>
   static void tile(const Tile& t) { tile_float<F, R, C>(t); }

@@ -1,11 +1,12 @@
 // Synthetic weights: random but well-formed blocks at memory speed.
 //
-// Every byte of a row is first filled with a splitmix64 stream (so all codes, sub-block scales and
+// Every byte of a row is first filled with a xoshiro256++ stream (so all codes, sub-block scales and
 // mins are uniform), then each block's f16 super-scale(s) are overwritten: d = base * (0.5 + u) with u
 // uniform in [0, 1) and base chosen from the second moment of the decoded value for unit d, so that
 // the decoded standard deviation is about `stddev`. For the types with a min (Q4_1, Q5_1, Q2_K,
-// Q4_K, Q5_K) the min is set to centre the values on zero. Float types draw from a 65536-entry table of
-// normal samples (scaled, converted once per call).
+// Q4_K, Q5_K) the min is set to centre the values on zero. Float types draw from a 4096-entry table of
+// normal samples (f32; 256 quantiles of it for f16/bf16), scaled and converted once per call.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -17,18 +18,35 @@
 namespace fitmoe::quant {
 namespace {
 
-struct SplitMix {
-  uint64_t s;
-  uint64_t next() {
-    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
+// xoshiro256++ (seeded through splitmix64): a few adds, shifts and rotates per 64-bit word.
+struct Rng {
+  uint64_t s[4];
+  explicit Rng(uint64_t seed) {
+    for (uint64_t& x : s) {
+      uint64_t z = (seed += 0x9e3779b97f4a7c15ull);
+      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+      x = z ^ (z >> 31);
+    }
   }
-  float uniform() { return static_cast<float>(next() >> 40) * (1.0f / 16777216.0f); }  // [0, 1)
+  static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+  uint64_t next() {
+    const uint64_t result = rotl(s[0] + s[3], 23) + s[0];
+    const uint64_t t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return result;
+  }
 };
 
-void fill_bytes(SplitMix& rng, uint8_t* p, size_t n) {
+// (Generators are used through a local copy: writes through the uint8_t output pointer may alias
+// anything, which would otherwise force the state through memory on every word.)
+void fill_bytes(Rng& state, uint8_t* p, size_t n) {
+  Rng rng = state;
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const uint64_t v = rng.next();
@@ -38,6 +56,7 @@ void fill_bytes(SplitMix& rng, uint8_t* p, size_t n) {
     const uint64_t v = rng.next();
     std::memcpy(p + i, &v, n - i);
   }
+  state = rng;
 }
 
 // Mean of x^2 over the integers lo..hi.
@@ -91,11 +110,14 @@ uint16_t pos_f16(float v) {
 
 void put_f16(uint8_t* p, uint16_t h) { std::memcpy(p, &h, 2); }
 
-// 65536 samples of a unit normal (Box-Muller on a fixed stream), built once.
+// 4096 samples of a normal distribution (Box-Muller on a fixed stream, rescaled to exactly zero mean and
+// unit variance), built once; small enough to stay in L1 while filling.
+constexpr int kTableBits = 12;
+constexpr uint64_t kTableMask = (1u << kTableBits) - 1;
 const std::vector<float>& normal_table() {
   static const std::vector<float> table = [] {
-    std::vector<float> t(65536);
-    SplitMix rng{0x243f6a8885a308d3ull};
+    std::vector<float> t(size_t{1} << kTableBits);
+    Rng rng(0x243f6a8885a308d3ull);
     for (size_t i = 0; i < t.size(); i += 2) {
       const double u1 = (static_cast<double>(rng.next() >> 11) + 1.0) * (1.0 / 9007199254740992.0);
       const double u2 = static_cast<double>(rng.next() >> 11) * (1.0 / 9007199254740992.0);
@@ -103,41 +125,56 @@ const std::vector<float>& normal_table() {
       t[i] = static_cast<float>(r * std::cos(6.283185307179586 * u2));
       t[i + 1] = static_cast<float>(r * std::sin(6.283185307179586 * u2));
     }
+    double s1 = 0, s2 = 0;
+    for (float v : t) s1 += v, s2 += static_cast<double>(v) * v;
+    const double mean = s1 / t.size(), sd = std::sqrt(s2 / t.size() - mean * mean);
+    for (float& v : t) v = static_cast<float>((v - mean) / sd);
     return t;
   }();
   return table;
 }
 
-void fill_float(DType t, uint8_t* dst, size_t count, float stddev, SplitMix& rng) {
+// f32: four table indices (12 of each 16 bits) per 64-bit random word.
+void fill_float(DType t, uint8_t* dst, size_t count, float stddev, Rng state) {
+  Rng rng = state;
   const std::vector<float>& unit = normal_table();
+  size_t i = 0;
   if (t == DType::F32) {
-    float* y = reinterpret_cast<float*>(dst);
-    size_t i = 0;
+    alignas(64) float tab[size_t{1} << kTableBits];
+    for (size_t k = 0; k < unit.size(); ++k) tab[k] = unit[k] * stddev;
     for (; i + 4 <= count; i += 4) {
       const uint64_t v = rng.next();
-      for (int k = 0; k < 4; ++k) {
-        const float f = unit[(v >> (16 * k)) & 0xffff] * stddev;
-        std::memcpy(y + i + k, &f, 4);
-      }
+      const float q[4] = {tab[v & kTableMask], tab[(v >> 16) & kTableMask], tab[(v >> 32) & kTableMask],
+                          tab[(v >> 48) & kTableMask]};
+      std::memcpy(dst + 4 * i, q, 16);
     }
-    for (; i < count; ++i) {
-      const float f = unit[rng.next() & 0xffff] * stddev;
-      std::memcpy(y + i, &f, 4);
-    }
+    for (; i < count; ++i) std::memcpy(dst + 4 * i, &tab[rng.next() & kTableMask], 4);
     return;
   }
-  std::vector<uint16_t> table(65536);
-  for (size_t i = 0; i < table.size(); ++i)
-    table[i] = t == DType::F16 ? f32_to_f16(unit[i] * stddev) : f32_to_bf16(unit[i] * stddev);
-  size_t i = 0;
-  for (; i + 4 <= count; i += 4) {
-    const uint64_t v = rng.next();
-    const uint64_t packed = static_cast<uint64_t>(table[v & 0xffff]) | static_cast<uint64_t>(table[(v >> 16) & 0xffff]) << 16 |
-                            static_cast<uint64_t>(table[(v >> 32) & 0xffff]) << 32 |
-                            static_cast<uint64_t>(table[v >> 48]) << 48;
-    std::memcpy(dst + 2 * i, &packed, 8);
+  // halves: 256 levels (every 16th sample of the sorted table, i.e. normal quantiles), one random
+  // byte per value: 16 bytes of output per random word
+  static const std::vector<float> sorted = [&] {
+    std::vector<float> v(unit);
+    std::sort(v.begin(), v.end());
+    return v;
+  }();
+  alignas(64) uint16_t tab[256];
+  for (size_t k = 0; k < 256; ++k) {
+    const float v = sorted[16 * k + 8] * stddev;
+    tab[k] = t == DType::F16 ? f32_to_f16(v) : f32_to_bf16(v);
   }
-  for (; i < count; ++i) put_f16(dst + 2 * i, table[rng.next() & 0xffff]);
+  for (; i + 8 <= count; i += 8) {
+    const uint64_t v = rng.next();
+    uint64_t lo = 0, hi = 0;  // composed in registers (separate small stores would stall the reload)
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      lo |= static_cast<uint64_t>(tab[(v >> (8 * k)) & 0xff]) << (16 * k);
+      hi |= static_cast<uint64_t>(tab[(v >> (8 * k + 32)) & 0xff]) << (16 * k);
+    }
+    std::memcpy(dst + 2 * i, &lo, 8);
+    std::memcpy(dst + 2 * i + 8, &hi, 8);
+  }
+  for (; i < count; ++i) std::memcpy(dst + 2 * i, &tab[rng.next() & 0xff], 2);
 }
 
 }  // namespace
@@ -146,7 +183,7 @@ void fill_random_rows(DType t, void* dst, int64_t nrows, int64_t ncols, float st
   const DTypeInfo& info = dtype_info(t);
   if (!info.weight_type) throw Error(std::string("fill_random_rows: not a weight type: ") + info.name);
   if (ncols % info.block_size != 0) throw Error("fill_random_rows: row length not a multiple of the block size");
-  SplitMix rng{seed ^ 0x6a09e667f3bcc909ull};
+  Rng rng(seed ^ 0x6a09e667f3bcc909ull);
   uint8_t* y = static_cast<uint8_t*>(dst);
   const size_t total = static_cast<size_t>(nrows) * row_bytes(t, ncols);
   if (t == DType::F32 || t == DType::F16 || t == DType::BF16) {
@@ -171,20 +208,26 @@ void fill_random_rows(DType t, void* dst, int64_t nrows, int64_t ncols, float st
     default: break;
   }
   const bool min_negative = t == DType::Q4_1 || t == DType::Q5_1;  // q*d + m: m = -ratio*d
+  // 256 possible super-scales (and matching mins), picked per block by one random byte.
+  uint16_t dtab[256], mtab[256];
+  for (int i = 0; i < 256; ++i) {
+    dtab[i] = pos_f16(base * (0.5f + (static_cast<float>(i) + 0.5f) / 256.0f));
+    const uint16_t hm = pos_f16(static_cast<float>(mo.min_ratio) * f16_to_f32(dtab[i]));
+    mtab[i] = min_negative ? static_cast<uint16_t>(hm | 0x8000u) : hm;
+  }
   // Process in chunks so the scale fix-up touches cache-hot bytes.
   constexpr size_t kChunkBlocks = 256;
   for (size_t b0 = 0; b0 < nblocks; b0 += kChunkBlocks) {
     const size_t nb = nblocks - b0 < kChunkBlocks ? nblocks - b0 : kChunkBlocks;
     uint8_t* p = y + b0 * bb;
     fill_bytes(rng, p, nb * bb);
+    uint64_t pick = 0;
     for (size_t i = 0; i < nb; ++i, p += bb) {
-      const uint16_t hd = pos_f16(base * (0.5f + rng.uniform()));
-      put_f16(p + d_off, hd);
-      if (min_off >= 0) {
-        const float m = static_cast<float>(mo.min_ratio) * f16_to_f32(hd);
-        const uint16_t hm = pos_f16(m);
-        put_f16(p + min_off, min_negative ? static_cast<uint16_t>(hm | 0x8000u) : hm);
-      }
+      if (i % 8 == 0) pick = rng.next();
+      const int k = static_cast<int>(pick & 0xff);
+      pick >>= 8;
+      put_f16(p + d_off, dtab[k]);
+      if (min_off >= 0) put_f16(p + min_off, mtab[k]);
     }
   }
 }

@@ -255,8 +255,10 @@ void matmul(int64_t n, const void* w, size_t ws, int nr, const void* act, size_t
   const uint8_t* wb = static_cast<const uint8_t*>(w);
   const uint8_t* ab = static_cast<const uint8_t*>(act);
   const size_t rb = Fam::row_bytes(n);
-  // bytes covered by a tile of `rows` rows (for prefetching)
+  // bytes covered by a tile of `rows` rows (for prefetching; only when the rows are contiguous, else
+  // the slices would cover the gaps between rows too)
   auto span = [&](int rows) -> size_t { return static_cast<size_t>(rows - 1) * ws + rb; };
+  const bool prefetch = Fam::kPrefetch && ws == rb;
   constexpr int kC = max_cols<Fam>();
   if (nc == 1) {
     constexpr int R = Fam::rows_for(1);
@@ -264,7 +266,7 @@ void matmul(int64_t n, const void* w, size_t ws, int nr, const void* act, size_t
       const int rr = nr - r < R ? nr - r : R;
       const int nxt = nr - (r + R) < R ? nr - (r + R) : R;
       Tile t{n, wb + r * ws, ws, ab, as, out + r, os, nullptr, 0};
-      if (nxt > 0) t.pf = wb + (r + R) * ws, t.pf_span = span(nxt);
+      if (prefetch && nxt > 0) t.pf = wb + (r + R) * ws, t.pf_span = span(nxt);
       table.f[rr][1](t);
     }
     return;
@@ -279,7 +281,7 @@ void matmul(int64_t n, const void* w, size_t ws, int nr, const void* act, size_t
       for (int r = r0; r < rend; r += R) {
         const int rr = rend - r < R ? rend - r : R;
         Tile t{n, wb + r * ws, ws, ab + c * as, as, out + c * os + r, os, nullptr, 0};
-        if (c == 0 && r + rr < nr) {
+        if (prefetch && c == 0 && r + rr < nr) {
           const int nxt = nr - (r + rr) < R ? nr - (r + rr) : R;
           t.pf = wb + (r + rr) * ws, t.pf_span = span(nxt);
         }
@@ -291,9 +293,10 @@ void matmul(int64_t n, const void* w, size_t ws, int nr, const void* act, size_t
 }
 
 // Float types with several columns: their rows are long (4 or 2 bytes a value), so the k dimension is
-// cut into slices of Fam::kSlice values; per slice, every tile of a block of kRowBlock rows x
-// kColGroup columns runs over that slice with its 16 lanes per pair parked in a buffer in between.
-// The order of the operations per lane is the same as in one pass (canonical order kept).
+// cut into slices of Fam::kSlice values. For a block of kRowBlock rows and up to kColGroup columns,
+// each slice of the block's weights is loaded into L1 once and used by every column tile, while the
+// activations stream from L2; the 16 lanes per pair are parked in a buffer between slices. The order
+// of the operations per lane is the same as in one pass (canonical order kept).
 using SliceFn = void (*)(const Tile&, int64_t, int64_t, float*, size_t);
 template <class Fam, int R, int C>
 constexpr SliceFn slice_entry() {
