@@ -29,6 +29,7 @@ class Qwen3State final : public ModelState {
       throw Error(std::string("KV cache type ") + dtype_name(kv_type) + " is not supported on the CPU (use f16 or f32)");
     n_ctx_ = opt.n_ctx;
     const size_t es = kv_type == DType::F16 ? 2 : 4;
+    // V is stored transposed (see cpu::KvView); per position it still takes v_row bytes.
     k_row = static_cast<int64_t>(c.n_head_kv) * c.head_dim * es;
     v_row = static_cast<int64_t>(c.n_head_kv) * c.head_dim_v * es;
     k.resize(c.n_layer);
@@ -39,7 +40,7 @@ class Qwen3State final : public ModelState {
     }
   }
   size_t bytes() const override { return (k_row + v_row) * static_cast<size_t>(n_ctx_) * k.size(); }
-  cpu::KvView view(int l) { return {kv_type, k[l].data(), v[l].data(), k_row, v_row}; }
+  cpu::KvView view(int l) { return {kv_type, k[l].data(), v[l].data(), n_ctx_, k_row}; }
 
   DType kv_type;
   int64_t k_row = 0, v_row = 0;

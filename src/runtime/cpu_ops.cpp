@@ -164,44 +164,27 @@ void rope_neox(float* x, int n_tokens, int n_heads, int head_dim, int64_t ld, in
 
 namespace {
 
-inline float round_to(DType t, float v) { return t == DType::F16 ? f16_to_f32(f32_to_f16(v)) : v; }
+size_t elem_bytes(DType t) { return t == DType::F16 ? 2 : 4; }
 
-void load_row(DType t, const uint8_t* src, float* dst, int n) {
+void store_value(DType t, float v, uint8_t* dst) {
   if (t == DType::F16) {
-    const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-    for (int i = 0; i < n; ++i) dst[i] = f16_to_f32(s[i]);
+    uint16_t h = f32_to_f16(v);
+    std::memcpy(dst, &h, 2);
   } else {
-    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+    std::memcpy(dst, &v, 4);
   }
-}
-
-void store_row(DType t, const float* src, uint8_t* dst, int n) {
-  if (t == DType::F16) {
-    uint16_t* d = reinterpret_cast<uint16_t*>(dst);
-    for (int i = 0; i < n; ++i) d[i] = f32_to_f16(src[i]);
-  } else {
-    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
-  }
-}
-
-// Eight independent partial sums so the compiler can keep them in one vector register.
-inline float dot(const float* a, const float* b, int n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
-  float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
 }
 
 }  // namespace
 
 void kv_store(const KvView& kv, int pos0, int n_tokens, const float* k, int64_t ld_k, const float* v,
               int64_t ld_v, int k_width, int v_width) {
+  const size_t es = elem_bytes(kv.type);
   for (int t = 0; t < n_tokens; ++t) {
-    store_row(kv.type, k + t * ld_k, kv.k + (pos0 + t) * kv.k_row_bytes, k_width);
-    store_row(kv.type, v + t * ld_v, kv.v + (pos0 + t) * kv.v_row_bytes, v_width);
+    uint8_t* krow = kv.k + (pos0 + t) * kv.k_row_bytes;
+    for (int i = 0; i < k_width; ++i) store_value(kv.type, k[t * ld_k + i], krow + i * es);
+    for (int i = 0; i < v_width; ++i)
+      store_value(kv.type, v[t * ld_v + i], kv.v + (static_cast<size_t>(i) * kv.n_ctx + pos0 + t) * es);
   }
 }
 
@@ -209,58 +192,62 @@ void attention(ThreadPool& pool, const float* q, int64_t ld_q, const KvView& kv,
                int n_head, int n_head_kv, int head_dim, int head_dim_v, float scale, float* out,
                int64_t ld_out, Scratch& scratch, size_t slot) {
   const int group = n_head / n_head_kv;
-  const int n_keys_max = pos0 + n_tokens;
-  // Per thread: scores [group][n_keys_max], one K/V row, the group's rounded queries and outputs.
-  const size_t per_thread = static_cast<size_t>(group) * n_keys_max + head_dim + head_dim_v +
-                            static_cast<size_t>(group) * (head_dim + head_dim_v);
-  float* base = scratch.floats(slot, per_thread * pool.size());
+  const size_t es = elem_bytes(kv.type);
+  const auto& kern = quant::kernels_for(kv.type);
+  auto to_cache_type = quant::quantize_act_fn(kv.type);  // f32 -> f16 rounding (or a copy for f32)
+  // Work items: (kv head, block of tokens). Each item's query heads share the kv head's K and V, so
+  // the group's queries are the activation columns of one K.Q product and one V^T.P product.
+  const int want_items = pool.size() * 2;
+  int tok_block = std::max(1, (n_tokens * n_head_kv + want_items - 1) / want_items);
+  tok_block = std::min(tok_block, 64);
+  const int n_tb = (n_tokens + tok_block - 1) / tok_block;
+  const int max_cols = tok_block * group;
+  const int max_keys = pos0 + n_tokens;
+  const size_t per_thread = static_cast<size_t>(max_cols) * (head_dim + max_keys) * es +   // Q, P in cache type
+                            static_cast<size_t>(max_cols) * (max_keys + head_dim_v) * sizeof(float);  // S, O
+  uint8_t* base = scratch.bytes(slot, per_thread * pool.size());
 
-  pool.parallel_for(static_cast<int64_t>(n_tokens) * n_head_kv, 1, [&](int64_t b, int64_t e, int tid) {
-    float* scores = base + per_thread * tid;
-    float* row = scores + static_cast<size_t>(group) * n_keys_max;
-    float* qr = row + std::max(head_dim, head_dim_v);
-    float* acc = qr + static_cast<size_t>(group) * head_dim;
+  pool.parallel_for(static_cast<int64_t>(n_head_kv) * n_tb, 1, [&](int64_t b, int64_t e, int tid) {
+    uint8_t* qc = base + per_thread * tid;
+    uint8_t* pc = qc + static_cast<size_t>(max_cols) * head_dim * es;
+    float* sc = reinterpret_cast<float*>(pc + static_cast<size_t>(max_cols) * max_keys * es);
+    float* oc = sc + static_cast<size_t>(max_cols) * max_keys;
     for (int64_t item = b; item < e; ++item) {
-      const int t = static_cast<int>(item / n_head_kv);
-      const int g = static_cast<int>(item % n_head_kv);
-      const int n_keys = pos0 + t + 1;  // causal: keys at positions <= this query's
-      for (int h = 0; h < group; ++h) {
-        const float* qh = q + t * ld_q + static_cast<int64_t>(g * group + h) * head_dim;
-        for (int d = 0; d < head_dim; ++d) qr[h * head_dim + d] = round_to(kv.type, qh[d]);
+      const int g = static_cast<int>(item / n_tb);
+      const int t0 = static_cast<int>(item % n_tb) * tok_block;
+      const int nt = std::min(tok_block, n_tokens - t0);
+      const int cols = nt * group;
+      const int n_keys = pos0 + t0 + nt;  // the block's last query sees this many keys
+      // Column c = (token t0 + c / group, head g * group + c % group).
+      for (int c = 0; c < cols; ++c) {
+        const float* qh = q + (t0 + c / group) * ld_q + static_cast<int64_t>(g * group + c % group) * head_dim;
+        to_cache_type(qh, qc + static_cast<size_t>(c) * head_dim * es, head_dim);
       }
-      for (int j = 0; j < n_keys; ++j) {
-        load_row(kv.type, kv.k + j * kv.k_row_bytes + static_cast<int64_t>(g) * head_dim * dtype_info(kv.type).block_bytes,
-                 row, head_dim);
-        for (int h = 0; h < group; ++h) scores[h * n_keys_max + j] = dot(qr + h * head_dim, row, head_dim);
-      }
-      for (int h = 0; h < group; ++h) {
-        float* s = scores + h * n_keys_max;
+      kern.matmul_tile(head_dim, kv.k + static_cast<size_t>(g) * head_dim * es, kv.k_row_bytes, n_keys, qc,
+                       head_dim * es, cols, sc, n_keys);
+      for (int c = 0; c < cols; ++c) {
+        float* s = sc + static_cast<size_t>(c) * n_keys;
+        const int visible = pos0 + t0 + c / group + 1;  // causal
         float mx = -INFINITY;
-        for (int j = 0; j < n_keys; ++j) {
+        for (int j = 0; j < visible; ++j) {
           s[j] *= scale;
           mx = std::max(mx, s[j]);
         }
         double sum = 0;
-        for (int j = 0; j < n_keys; ++j) {
+        for (int j = 0; j < visible; ++j) {
           s[j] = std::exp(s[j] - mx);
           sum += s[j];
         }
         const float inv = static_cast<float>(1.0 / sum);
-        for (int j = 0; j < n_keys; ++j) s[j] = round_to(kv.type, s[j] * inv);
+        for (int j = 0; j < visible; ++j) s[j] *= inv;
+        for (int j = visible; j < n_keys; ++j) s[j] = 0.0f;
+        to_cache_type(s, pc + static_cast<size_t>(c) * n_keys * es, n_keys);
       }
-      std::fill(acc, acc + static_cast<size_t>(group) * head_dim_v, 0.0f);
-      for (int j = 0; j < n_keys; ++j) {
-        load_row(kv.type, kv.v + j * kv.v_row_bytes + static_cast<int64_t>(g) * head_dim_v * dtype_info(kv.type).block_bytes,
-                 row, head_dim_v);
-        for (int h = 0; h < group; ++h) {
-          const float p = scores[h * n_keys_max + j];
-          float* a = acc + h * head_dim_v;
-          for (int d = 0; d < head_dim_v; ++d) a[d] += p * row[d];
-        }
-      }
-      for (int h = 0; h < group; ++h)
-        std::memcpy(out + t * ld_out + static_cast<int64_t>(g * group + h) * head_dim_v, acc + h * head_dim_v,
-                    sizeof(float) * head_dim_v);
+      kern.matmul_tile(n_keys, kv.v + static_cast<size_t>(g) * head_dim_v * kv.n_ctx * es,
+                       static_cast<size_t>(kv.n_ctx) * es, head_dim_v, pc, n_keys * es, cols, oc, head_dim_v);
+      for (int c = 0; c < cols; ++c)
+        std::memcpy(out + (t0 + c / group) * ld_out + static_cast<int64_t>(g * group + c % group) * head_dim_v,
+                    oc + static_cast<size_t>(c) * head_dim_v, sizeof(float) * head_dim_v);
     }
   });
 }

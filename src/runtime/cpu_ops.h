@@ -67,15 +67,17 @@ void rope_neox(float* x, int n_tokens, int n_heads, int head_dim, int64_t ld, in
                float base, float freq_scale);
 
 // Causal softmax attention of n_tokens queries at positions pos0.. over the cached keys 0..pos.
-// Reference numerics (llama.cpp without flash attention, f16 cache): Q is rounded to the cache type,
-// scores = Q.K * scale, softmax in f32 (sum in double), probabilities rounded to the cache type, then
-// P.V with f32 accumulation. K/V cache rows: [pos][n_head_kv * head_dim] of kv_type (F16 or F32).
+// Reference numerics (llama.cpp without flash attention): Q is rounded to the cache type, scores =
+// K.Q * scale, softmax in f32 (sum in double), probabilities rounded to the cache type, then V^T.P with
+// f32 accumulation. Both products run on the matmul tile kernels of the cache type.
+// Cache layout (one layer): K rows [pos][n_head_kv * head_dim]; V transposed, [n_head_kv * head_dim_v]
+// rows of n_ctx positions, so that V^T.P reads rows like any weight matrix.
 struct KvView {
-  DType type;
+  DType type;       // F16 or F32
   uint8_t* k;
   uint8_t* v;
-  int64_t k_row_bytes;  // bytes per position
-  int64_t v_row_bytes;
+  int n_ctx;        // positions per V^T row (capacity)
+  int64_t k_row_bytes;  // bytes per position of K
 };
 void kv_store(const KvView& kv, int pos0, int n_tokens, const float* k, int64_t ld_k, const float* v,
               int64_t ld_v, int k_width, int v_width);
