@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Prepares what a device run carries: a portable build (static libstdc++, PCRE2, utf8proc) in devbin/ and
+# the test fixtures it needs in testdata-local/ (both git-ignored). Then call the device tool with
+#   command: scripts/device-run.sh all     carry: ["devbin", "testdata-local"]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CUDA=${FITMOE_CUDA:-OFF}
+cmake -S . -B build-dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DFITMOE_STATIC=ON -DFITMOE_BENCH=OFF -DFITMOE_CUDA="$CUDA" >/dev/null
+cmake --build build-dev --target fitmoe fitmoe_tests
+mkdir -p devbin testdata-local
+strip -o devbin/fitmoe build-dev/fitmoe
+strip -o devbin/fitmoe_tests build-dev/tests/fitmoe_tests
+TD=${FITMOE_TESTDATA:-../shared/testdata}
+for d in quant-vectors qwen3moe-tiny qwen3-draft; do
+  rm -rf "testdata-local/$d" && cp -r "$TD/$d" "testdata-local/$d"
+done
+du -sh devbin testdata-local

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The one script for the GPU machine (device tool): runs the tests there, then the benchmarks, and
+# prints a short table last. Binaries come prebuilt from the dev machine (scripts/device-prepare.sh puts
+# them and the test fixtures into git-ignored folders that the run carries).
+#   scripts/device-run.sh [all|tests|cpu|gpu]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WHAT=${1:-all}
+BIN=devbin
+OUT=${OUT:-/tmp/fitmoe-out}
+mkdir -p "$OUT"
+export FITMOE_TESTDATA=$PWD/testdata-local
+export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/usr/local/cuda/lib64
+MODEL=/tmp/fitmoe-q3moe-30b-a3b-q4_k_m.gguf
+summary=()
+
+echo "== machine"
+echo "cores: $(nproc); $(lscpu | grep 'Model name' | sed 's/  */ /g'); $(ldd --version | head -1)"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+"$BIN/fitmoe" --version || { echo "the prebuilt binary does not run here"; ldd "$BIN/fitmoe"; exit 1; }
+
+if [ "$WHAT" = all ] || [ "$WHAT" = tests ]; then
+  echo "== tests (every ISA this CPU has; tokenizer tests need fixtures not carried)"
+  "$BIN/fitmoe_tests" --gtest_filter='-*Tokenizer*:*Chat*:Cli.*' --gtest_brief=1 2>&1 | tail -n 25
+  summary+=("tests: $("$BIN/fitmoe_tests" --gtest_filter='-*Tokenizer*:*Chat*:Cli.*' 2>&1 | grep -E '^\[  (PASSED|FAILED)' | tr '\n' ' ')")
+fi
+
+if [ "$WHAT" = all ] || [ "$WHAT" = cpu ]; then
+  echo "== gen-model: full Qwen3-30B-A3B shape, Q4_K_M"
+  [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
+  echo "== CPU bench, $(nproc) threads"
+  "$BIN/fitmoe" bench -m "$MODEL" -t "$(nproc)" -p 64,512 -n 32 -r 3 --json > "$OUT/cpu-bench.json"
+  "$BIN/fitmoe" bench -m "$MODEL" -t "$(nproc)" -p 0 -n 32 -r 3 --mmap | tail -n 1 | sed 's/^/mmap: /'
+  python3 - "$OUT/cpu-bench.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1])):
+    line = f"cpu {r['test']}: {r['avg_ts']:.2f} +- {r['stddev_ts']:.2f} tok/s"
+    if r['n_gen']:
+        line += f", {r['weight_bytes_per_token']/1e9:.3f} GB/token -> {r['weight_gbps']:.1f} GB/s of 76.4 ({100*r['weight_gbps']/76.4:.0f}%)"
+    print(line)
+PY
+fi
+
+echo "== summary"
+for s in "${summary[@]}"; do echo "$s"; done
+[ -f "$OUT/cpu-bench.json" ] && python3 -c "
+import json
+for r in json.load(open('$OUT/cpu-bench.json')):
+    print(f\"| cpu {r['n_threads']} threads | {r['test']} | {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} | {(str(round(r['weight_gbps'],1))+' GB/s') if r['n_gen'] else '-'} |\")"
+exit 0
