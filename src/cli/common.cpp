@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "runtime/error.h"
+#include "runtime/plan.h"
 
 namespace fitmoe::cli {
 
@@ -14,6 +15,12 @@ void add_model_options(CLI::App& app, ModelOptions& o, bool with_ctx) {
   app.add_option("-m,--model", o.model_path, "GGUF model file")->required();
   app.add_option("-t,--threads", o.threads, "CPU threads (0: all cores)")->check(CLI::NonNegativeNumber);
   app.add_flag("--mmap", o.mmap, "compute from the file mapping instead of loading the weights into memory");
+  app.add_option("--vram", o.vram, "GPU memory budget, e.g. 8G (default: the card's free memory minus a margin)");
+  app.add_option("--gpu", o.gpu, "GPU to use: auto, 0, or none (CPU only)")->check(CLI::IsMember({"auto", "none", "0", "cuda0"}));
+  app.add_option("--n-cpu-moe,--ncmoe", o.n_cpu_moe, "keep the routed experts of the first N layers in host memory")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--cpu-moe,--cmoe", o.cpu_moe, "keep all routed experts in host memory");
+  app.add_option("--override-tensor,--ot", o.overrides, "REGEX=cpu|cuda0: place matching tensors (first match wins)");
   if (with_ctx) {
     app.add_option("-c,--ctx", o.ctx, "context size in tokens")->check(CLI::PositiveNumber);
     app.add_option("--kv-type", o.kv_type, "KV cache type: f16 (default) or f32")->check(CLI::IsMember({"f16", "f32"}));
@@ -30,13 +37,27 @@ SessionOptions session_options(const ModelOptions& o) {
   return s;
 }
 
-std::unique_ptr<Model> load_model(const ModelOptions& o) {
+LoadOptions load_options(const ModelOptions& o) {
   LoadOptions lo;
   lo.use_mmap = o.mmap;
+  lo.plan.use_gpu = o.gpu != "none";
+  lo.plan.vram_budget = o.vram.empty() ? 0 : parse_size(o.vram);
+  lo.plan.n_ctx = o.ctx;
+  lo.plan.kv_type = o.kv_type == "f32" ? DType::F32 : DType::F16;
+  lo.plan.n_ubatch = o.batch;
+  lo.plan.n_cpu_moe = o.n_cpu_moe;
+  lo.plan.cpu_moe = o.cpu_moe;
+  lo.plan.overrides = parse_overrides(o.overrides);
+  return lo;
+}
+
+std::unique_ptr<Model> load_model(const ModelOptions& o) {
+  LoadOptions lo = load_options(o);
   Progress progress("loading " + o.model_path);
-  lo.progress = [&](uint64_t d, uint64_t t) { progress.update(d, t); };
+  lo.progress = [&](const std::string&, uint64_t d, uint64_t t) { progress.update(d, t); };
   auto m = Model::load(o.model_path, lo);
   progress.finish();
+  if (m->plan().use_gpu || !o.vram.empty()) std::fprintf(stderr, "%s\n", m->plan().summary_line().c_str());
   return m;
 }
 

@@ -21,10 +21,17 @@ struct ModelOptions {
   std::string kv_type = "f16";
   int batch = 512;
   bool mmap = false;
+  // Placement (see runtime/plan.h).
+  std::string vram;            // "8G"; empty: the card's free memory minus a margin
+  std::string gpu = "auto";    // auto | none | 0
+  int n_cpu_moe = 0;
+  bool cpu_moe = false;
+  std::vector<std::string> overrides;
 };
 void add_model_options(CLI::App& app, ModelOptions& o, bool with_ctx = true);
 SessionOptions session_options(const ModelOptions& o);
-std::unique_ptr<Model> load_model(const ModelOptions& o);
+LoadOptions load_options(const ModelOptions& o);
+std::unique_ptr<Model> load_model(const ModelOptions& o);  // prints the plan's one-line summary
 
 void add_sampler_options(CLI::App& app, SamplerParams& p);
 
@@ -56,5 +63,6 @@ void register_generate(CLI::App& app);
 void register_logits(CLI::App& app);
 void register_bench(CLI::App& app);
 void register_gen_model(CLI::App& app);
+void register_plan(CLI::App& app);
 
 }  // namespace fitmoe::cli

@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   fitmoe::cli::register_bench(app);
   fitmoe::cli::register_info(app);
   fitmoe::cli::register_gen_model(app);
+  fitmoe::cli::register_plan(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

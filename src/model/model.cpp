@@ -5,6 +5,8 @@
 #include <map>
 
 #include "model/architectures.h"
+#include "model/gpu_runner.h"
+#include "runtime/machine.h"
 #include "runtime/error.h"
 #include "runtime/thread_pool.h"
 
@@ -22,6 +24,10 @@ const std::map<std::string, ModelFactory>& registry() {
 }
 }  // namespace
 
+Model::~Model() = default;
+
+std::string Model::gpu_memory_report() const { return gpu_ ? gpu_->memory_report() : std::string(); }
+
 std::vector<std::string> Model::supported_architectures() {
   std::vector<std::string> out;
   for (auto& [name, f] : registry()) out.push_back(name);
@@ -38,7 +44,33 @@ std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
     throw Error(path + ": unknown or unsupported architecture '" + arch + "' (fitmoe supports: " + list + ")");
   }
   auto model = it->second(file, opt);  // validates names, shapes and types before any weight is read
-  if (!opt.use_mmap) file->load_into_memory(opt.progress);
+
+  // Plan where everything lives (no weight is read for this).
+  MachineProfile machine;
+  bool gpu_possible = false;
+#if FITMOE_CUDA
+  gpu_possible = opt.plan.use_gpu;
+#endif
+  if (opt.machine) {
+    machine = *opt.machine;
+  } else if (gpu_possible || opt.plan_only) {
+    machine = probe_machine(0, gpu_possible);
+  }
+  if (!opt.plan.use_gpu) machine.gpu_free_bytes = 0;
+  model->plan_ = make_plan(*file, model->cfg_, opt.plan, machine);
+  if (opt.plan_only) return model;
+
+  if (!opt.use_mmap || model->plan_.use_gpu) {
+    // GPU runs need the weights in memory that can be pinned (uploads from a file mapping would run at
+    // pageable-memory speed).
+    file->load_into_memory([&](uint64_t d, uint64_t t) {
+      if (opt.progress) opt.progress("loading weights into memory", d, t);
+    });
+  }
+  if (model->plan_.use_gpu && !model->init_gpu(opt)) {
+    model->plan_.use_gpu = false;
+    model->plan_.notes.push_back(model->cfg_.arch + " has no GPU forward pass yet: running on the CPU");
+  }
   return model;
 }
 

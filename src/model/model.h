@@ -13,33 +13,13 @@
 #include <vector>
 
 #include "format/gguf.h"
+#include "model/config.h"
+#include "runtime/plan.h"
 #include "quant/dtype.h"
 
 namespace fitmoe {
 
 class ThreadPool;
-
-struct ModelConfig {
-  std::string arch;        // general.architecture
-  std::string name;        // general.name (may be empty)
-  int n_vocab = 0;
-  int n_embd = 0;
-  int n_layer = 0;
-  int n_head = 0;
-  int n_head_kv = 0;
-  int head_dim = 0;        // key/query head width
-  int head_dim_v = 0;      // value head width
-  int n_ctx_train = 0;
-  int n_ff = 0;            // dense FFN width (0 for pure MoE)
-  int n_expert = 0;        // routed experts per layer (0 for dense)
-  int n_expert_used = 0;
-  int n_ff_exp = 0;        // width of one routed expert
-  float rms_eps = 1e-6f;
-  float rope_base = 10000.0f;
-  float rope_freq_scale = 1.0f;
-  int n_rot = 0;           // rotated dims per head
-  bool tied_output = false;
-};
 
 // Where a tensor's bytes are. Today every weight is in host memory (the file mapping or a host copy);
 // the GPU backend adds device-resident weights and the plan decides per tensor.
@@ -74,7 +54,12 @@ struct LoadOptions {
   // false (default): copy the weights into memory (huge pages) at load; true: compute straight from
   // the file mapping (instant start, but 4 KiB pages the OS may evict).
   bool use_mmap = false;
-  std::function<void(uint64_t done, uint64_t total)> progress;
+  // Placement: GPU use, VRAM budget, context, manual overrides. plan_only: stop after planning (no
+  // weights are read, no GPU memory is taken): `fitmoe plan`.
+  PlanOptions plan;
+  bool plan_only = false;
+  const MachineProfile* machine = nullptr;  // null: measure (or read the cached measurement)
+  std::function<void(const std::string& what, uint64_t done, uint64_t total)> progress;
 };
 
 // Per-sequence state: KV cache (and later recurrent state), sized for n_ctx positions.
@@ -102,13 +87,16 @@ struct StateOptions {
 
 class Model {
  public:
-  virtual ~Model() = default;
+  virtual ~Model();
   // Opens, validates and maps a GGUF; throws fitmoe::Error naming the problem (unknown architecture,
   // missing tensor, shape that disagrees with the hyperparameters, ...).
   static std::unique_ptr<Model> load(const std::string& path, const LoadOptions& opt = {});
   static std::vector<std::string> supported_architectures();
 
   const ModelConfig& config() const { return cfg_; }
+  const Plan& plan() const { return plan_; }
+  bool on_gpu() const { return gpu_ != nullptr; }
+  std::string gpu_memory_report() const;
   const gguf::File& file() const { return *file_; }
   std::shared_ptr<gguf::File> file_ptr() const { return file_; }
 
@@ -131,8 +119,14 @@ class Model {
   // omitted). Throws Error naming the tensor when it is missing (unless optional) or misshapen.
   Weight tensor(const std::string& name, std::vector<int64_t> ne, bool optional = false) const;
 
+  // Called by load() after planning: an architecture with a GPU path uploads its device-resident
+  // weights here. The default refuses, so an architecture without one falls back to the CPU.
+  virtual bool init_gpu(const LoadOptions& opt) { return false; }
+
   std::shared_ptr<gguf::File> file_;
   ModelConfig cfg_;
+  Plan plan_;
+  std::unique_ptr<class GpuRunner> gpu_;  // set by init_gpu when the plan uses the GPU
 };
 
 }  // namespace fitmoe

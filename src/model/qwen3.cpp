@@ -8,19 +8,13 @@
 #include <cstring>
 
 #include "model/architectures.h"
+#include "model/qwen3.h"
 #include "runtime/cpu_ops.h"
 #include "runtime/error.h"
 
 namespace fitmoe {
 
 namespace {
-
-struct Layer {
-  Weight attn_norm, wq, wk, wv, wo, q_norm, k_norm, ffn_norm;
-  Weight ffn_gate, ffn_up, ffn_down;               // dense
-  Weight router;                                   // MoE: ffn_gate_inp, F32 [n_embd, n_expert]
-  cpu::ExpertWeights experts;
-};
 
 class Qwen3State final : public ModelState {
  public:
@@ -83,14 +77,14 @@ class Qwen3Model final : public Model {
     const int64_t E = c.n_embd, hd = c.head_dim, hdv = c.head_dim_v;
     // The vocabulary size is the embedding's row count (tokenizer arrays may be padded differently).
     if (const gguf::TensorInfo* te = f.find_tensor("token_embd.weight")) c.n_vocab = static_cast<int>(te->ne[1]);
-    tok_embd_ = tensor("token_embd.weight", {E, c.n_vocab});
-    output_norm_ = tensor("output_norm.weight", {E});
-    output_ = tensor("output.weight", {E, c.n_vocab}, /*optional=*/true);
-    c.tied_output = !output_;
-    if (!output_) output_ = tok_embd_;
-    layers_.resize(c.n_layer);
+    w_.tok_embd = tensor("token_embd.weight", {E, c.n_vocab});
+    w_.output_norm = tensor("output_norm.weight", {E});
+    w_.output = tensor("output.weight", {E, c.n_vocab}, /*optional=*/true);
+    c.tied_output = !w_.output;
+    if (!w_.output) w_.output = w_.tok_embd;
+    w_.layers.resize(c.n_layer);
     for (int l = 0; l < c.n_layer; ++l) {
-      Layer& L = layers_[l];
+      Qwen3Layer& L = w_.layers[l];
       const std::string p = "blk." + std::to_string(l) + ".";
       L.attn_norm = tensor(p + "attn_norm.weight", {E});
       L.wq = tensor(p + "attn_q.weight", {E, hd * c.n_head});
@@ -111,19 +105,20 @@ class Qwen3Model final : public Model {
         L.ffn_down = tensor(p + "ffn_down.weight", {c.n_ff, E});
       }
     }
-    for (const Weight* w : {&output_norm_}) require_f32(*w);
-    for (auto& L : layers_)
+    for (const Weight* w : {&w_.output_norm}) require_f32(*w);
+    for (auto& L : w_.layers)
       for (const Weight* w : {&L.attn_norm, &L.q_norm, &L.k_norm, &L.ffn_norm, &L.router})
         if (*w) require_f32(*w);
   }
 
   std::unique_ptr<ModelState> new_state(const StateOptions& opt) const override {
+    if (gpu_) return gpu_->new_state(opt);
     return std::make_unique<Qwen3State>(cfg_, opt);
   }
 
   double bytes_per_token() const override {
-    double b = static_cast<double>(output_.matrix_bytes());
-    for (auto& L : layers_) {
+    double b = static_cast<double>(w_.output.matrix_bytes());
+    for (auto& L : w_.layers) {
       for (const Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.ffn_gate, &L.ffn_up, &L.ffn_down, &L.router})
         if (*w) b += static_cast<double>(w->matrix_bytes());
       if (L.experts.gate) {
@@ -138,6 +133,7 @@ class Qwen3Model final : public Model {
  protected:
   void forward_impl(ModelState& st, ThreadPool& pool, std::span<const int32_t> tokens, int n_logits,
                     float* logits) const override {
+    if (gpu_) return gpu_->forward(st, pool, tokens, n_logits, logits);
     auto& S = static_cast<Qwen3State&>(st);
     auto& scratch = S.scratch;
     const ModelConfig& c = cfg_;
@@ -157,9 +153,9 @@ class Qwen3Model final : public Model {
     std::vector<int32_t> chosen(static_cast<size_t>(T) * std::max(c.n_expert_used, 1));
     std::vector<float> chosen_w(chosen.size());
 
-    cpu::embed(pool, tok_embd_, tokens, x);
+    cpu::embed(pool, w_.tok_embd, tokens, x);
     for (int l = 0; l < c.n_layer; ++l) {
-      const Layer& L = layers_[l];
+      const Qwen3Layer& L = w_.layers[l];
       // Attention block.
       cpu::rms_norm(x, L.attn_norm.f32(), xn, E, T, c.rms_eps, E, E);
       {
@@ -202,8 +198,19 @@ class Qwen3Model final : public Model {
     }
     if (n_logits == 0) return;
     const float* last = x + static_cast<int64_t>(T - n_logits) * E;
-    cpu::rms_norm(last, output_norm_.f32(), xn, E, n_logits, c.rms_eps, E, E);
-    cpu::matmul(pool, output_, xn, E, n_logits, logits, c.n_vocab, scratch, 35);
+    cpu::rms_norm(last, w_.output_norm.f32(), xn, E, n_logits, c.rms_eps, E, E);
+    cpu::matmul(pool, w_.output, xn, E, n_logits, logits, c.n_vocab, scratch, 35);
+  }
+
+ protected:
+  bool init_gpu(const LoadOptions& opt) override {
+#if FITMOE_CUDA
+    gpu_ = make_qwen3_gpu(w_, cfg_, plan_, opt);
+    return true;
+#else
+    (void)opt;
+    return false;
+#endif
   }
 
  private:
@@ -224,8 +231,7 @@ class Qwen3Model final : public Model {
       throw Error(file_->path() + ": tensor " + w.info->name + " must be f32, found " + dtype_name(w.type));
   }
 
-  Weight tok_embd_, output_norm_, output_;
-  std::vector<Layer> layers_;
+  Qwen3Weights w_;
 };
 
 }  // namespace

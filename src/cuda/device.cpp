@@ -1,0 +1,197 @@
+#include "cuda/device.h"
+
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cstring>
+#include <sstream>
+#include <vector>
+
+#include "runtime/error.h"
+
+namespace fitmoe::gpu {
+
+void check(int code, const char* what) {
+  if (code != cudaSuccess)
+    throw Error(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(static_cast<cudaError_t>(code)));
+}
+
+bool query_device(DeviceInfo* out) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    cudaGetLastError();
+    return false;
+  }
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return false;
+  size_t free_b = 0, total_b = 0;
+  if (cudaSetDevice(0) != cudaSuccess || cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) return false;
+  out->name = prop.name;
+  out->free_bytes = free_b;
+  out->total_bytes = total_b;
+  out->cc_major = prop.major;
+  out->cc_minor = prop.minor;
+  out->sm_count = prop.multiProcessorCount;
+  return true;
+}
+
+void measure_device(MachineProfile* m) {
+  const size_t n = 256u << 20;
+  void *a = nullptr, *b = nullptr, *h = nullptr;
+  check(cudaMalloc(&a, n), "cudaMalloc (probe)");
+  check(cudaMalloc(&b, n), "cudaMalloc (probe)");
+  check(cudaMallocHost(&h, n), "cudaMallocHost (probe)");
+  std::memset(h, 1, n);
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  auto time_it = [&](auto&& fn) {
+    fn();  // warm-up
+    float best = 1e30f;
+    for (int rep = 0; rep < 3; ++rep) {
+      cudaEventRecord(e0);
+      fn();
+      cudaEventRecord(e1);
+      cudaEventSynchronize(e1);
+      float ms = 0;
+      cudaEventElapsedTime(&ms, e0, e1);
+      best = std::min(best, ms);
+    }
+    return best / 1e3;
+  };
+  // Device copy moves 2n bytes (read + write).
+  m->gpu_mem_bw = 2.0 * n / time_it([&] { cudaMemcpy(b, a, n, cudaMemcpyDeviceToDevice); });
+  m->pcie_bw = n / time_it([&] { cudaMemcpy(a, h, n, cudaMemcpyHostToDevice); });
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  // f16 tensor-core rate estimate: SMs x clock x (1024 FLOP/clk/SM on Volta..Ada, 2048 on Hopper),
+  // x 0.6 achievable. Pascal has no tensor cores: 2 x FP32 rate.
+  double clock_hz = 1.5e9;
+  int clock_khz = 0;
+  if (cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0) == cudaSuccess && clock_khz > 0) clock_hz = clock_khz * 1e3;
+  const double per_sm = prop.major >= 9 ? 2048 : prop.major >= 7 ? 1024 : 256;
+  m->gpu_flops = prop.multiProcessorCount * clock_hz * per_sm * 0.6;
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(a);
+  cudaFree(b);
+  cudaFreeHost(h);
+  cudaGetLastError();
+}
+
+DeviceMemory::DeviceMemory(uint64_t budget) : budget_(budget) {}
+
+DeviceMemory::~DeviceMemory() {
+  for (auto& [p, info] : live_) cudaFree(p);
+}
+
+void* DeviceMemory::alloc(size_t bytes, const std::string& what) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (bytes == 0) bytes = 1;
+  if (used_ + bytes > budget_) {
+    std::ostringstream s;
+    s << "VRAM budget exceeded: " << what << " needs " << (bytes >> 20) << " MiB but " << (used_ >> 20) << " of "
+      << (budget_ >> 20) << " MiB are in use (" << usage_report() << ")";
+    throw Error(s.str());
+  }
+  void* p = nullptr;
+  cudaError_t e = cudaMalloc(&p, bytes);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    throw Error("cudaMalloc of " + std::to_string(bytes >> 20) + " MiB for " + what + " failed: " + cudaGetErrorString(e));
+  }
+  used_ += bytes;
+  peak_ = std::max(peak_, used_);
+  live_[p] = {bytes, what};
+  by_what_[what] += bytes;
+  return p;
+}
+
+void DeviceMemory::free(void* p) {
+  if (!p) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = live_.find(p);
+  if (it == live_.end()) return;
+  used_ -= it->second.first;
+  by_what_[it->second.second] -= it->second.first;
+  live_.erase(it);
+  cudaFree(p);
+}
+
+std::string DeviceMemory::usage_report() const {
+  std::ostringstream s;
+  bool first = true;
+  for (auto& [what, b] : by_what_) {
+    if (!b) continue;
+    s << (first ? "" : ", ") << what << " " << (b >> 20) << " MiB";
+    first = false;
+  }
+  return s.str();
+}
+
+void* create_stream() {
+  cudaStream_t s;
+  check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  return s;
+}
+void destroy_stream(void* s) { cudaStreamDestroy(static_cast<cudaStream_t>(s)); }
+void* create_event() {
+  cudaEvent_t e;
+  check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+  return e;
+}
+void destroy_event(void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); }
+void record_event(void* e, void* s) { check(cudaEventRecord(static_cast<cudaEvent_t>(e), static_cast<cudaStream_t>(s)), "cudaEventRecord"); }
+void wait_event(void* s, void* e) {
+  check(cudaStreamWaitEvent(static_cast<cudaStream_t>(s), static_cast<cudaEvent_t>(e), 0), "cudaStreamWaitEvent");
+}
+void sync_event(void* e) { check(cudaEventSynchronize(static_cast<cudaEvent_t>(e)), "cudaEventSynchronize"); }
+void sync_stream(void* s) { check(cudaStreamSynchronize(static_cast<cudaStream_t>(s)), "cudaStreamSynchronize"); }
+void copy_h2d(void* d, const void* h, size_t n, void* s) {
+  check(cudaMemcpyAsync(d, h, n, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(s)), "cudaMemcpyAsync H2D");
+}
+void copy_d2h(void* h, const void* d, size_t n, void* s) {
+  check(cudaMemcpyAsync(h, d, n, cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(s)), "cudaMemcpyAsync D2H");
+}
+void copy_d2d(void* d, const void* src, size_t n, void* s) {
+  check(cudaMemcpyAsync(d, src, n, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(s)), "cudaMemcpyAsync D2D");
+}
+void memset_async(void* d, int v, size_t n, void* s) {
+  check(cudaMemsetAsync(d, v, n, static_cast<cudaStream_t>(s)), "cudaMemsetAsync");
+}
+void pin_host(const void* p, size_t n) {
+  cudaError_t e = cudaHostRegister(const_cast<void*>(p), n, cudaHostRegisterDefault);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    throw Error(std::string("cannot pin ") + std::to_string(n >> 20) + " MiB of host memory for fast uploads: " +
+                cudaGetErrorString(e) + " (raise the locked-memory limit, or use --no-pin)");
+  }
+}
+void unpin_host(const void* p) {
+  cudaHostUnregister(const_cast<void*>(p));
+  cudaGetLastError();
+}
+void* alloc_pinned(size_t n) {
+  void* p = nullptr;
+  check(cudaMallocHost(&p, n), "cudaMallocHost");
+  return p;
+}
+void free_pinned(void* p) { cudaFreeHost(p); }
+
+void begin_capture(void* s) {
+  check(cudaStreamBeginCapture(static_cast<cudaStream_t>(s), cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+}
+void* end_capture(void* s) {
+  cudaGraph_t g;
+  check(cudaStreamEndCapture(static_cast<cudaStream_t>(s), &g), "cudaStreamEndCapture");
+  cudaGraphExec_t ex;
+  check(cudaGraphInstantiate(&ex, g, 0), "cudaGraphInstantiate");
+  cudaGraphDestroy(g);
+  return ex;
+}
+void launch_graph(void* ex, void* s) {
+  check(cudaGraphLaunch(static_cast<cudaGraphExec_t>(ex), static_cast<cudaStream_t>(s)), "cudaGraphLaunch");
+}
+void destroy_graph(void* ex) { cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(ex)); }
+
+}  // namespace fitmoe::gpu

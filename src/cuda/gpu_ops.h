@@ -1,0 +1,104 @@
+// The GPU op set (CUDA), mirroring src/runtime/cpu_ops.h: the GPU forward passes are written in these.
+// Plain C++ header (no CUDA types leak out) so host code compiled by g++ can call it; every function
+// enqueues work on the given stream (a cudaStream_t passed as void*) and returns at once.
+//
+// Numerics follow the CPU engine, which reproduces the reference:
+// - Decode and small batches (n_tokens <= kMaxVecTokens): the activations are converted on the GPU to
+//   the weight type's activation format (dtype_info(w).act_type: Q8_K, Q8_0, Q8_1, F16, BF16, F32),
+//   byte-identical to quant::quantize_act_row_ref, and integer block dot products give the same
+//   per-block values as quant::vec_dot_ref (only the float summation order differs).
+// - Larger batches (prefill): weights are dequantized to f16 (F32 weights: f32) tile by tile and
+//   multiplied with cuBLAS (f32 accumulation); activations are rounded to f16 for those.
+// - Attention emulates the reference's non-flash path with an f16 (or f32) cache exactly as
+//   cpu::attention does: Q rounded to the cache type, softmax in f32, P rounded to the cache type.
+// All pointers are device pointers unless named host_*. Sizes are in elements unless named *_bytes.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "quant/dtype.h"
+
+namespace fitmoe::gpu {
+
+using Stream = void*;  // cudaStream_t
+
+// Largest batch the integer mat-vec kernels take; larger batches go through dequantize + cuBLAS.
+constexpr int kMaxVecTokens = 8;
+
+// A weight matrix (or a stack of experts) in device memory.
+struct DevMatrix {
+  DType type = DType::F32;
+  int64_t cols = 0;            // values per row (the input width)
+  int64_t rows = 0;            // output rows per matrix
+  int64_t n_mats = 1;          // experts stacked (3-D tensors); matrix e starts at data + e * mat_bytes
+  size_t row_bytes = 0;
+  size_t mat_bytes = 0;
+  const uint8_t* data = nullptr;
+};
+
+// ---- elementwise and norms ------------------------------------------------------------------------
+// out[t] = decode(table row ids[t]) for t < n (table rows of any weight type).
+void embed_rows(const DevMatrix& table, const int32_t* ids, int n, float* out, Stream s);
+// y = x / sqrt(mean(x^2) + eps) * w, per row of n values (w may be null). In place allowed.
+void rms_norm(const float* x, const float* w, float* y, int n, int rows, float eps, int64_t ld_x, int64_t ld_y,
+              Stream s);
+// x += y (n values)
+void add(float* x, const float* y, int64_t n, Stream s);
+// out = silu(gate) * up
+void swiglu(const float* gate, const float* up, float* out, int64_t n, Stream s);
+// NeoX RoPE in place for tokens at positions pos[t] (device array), as cpu::rope_neox.
+void rope_neox(float* x, int n_tokens, int n_heads, int head_dim, int64_t ld, int n_rot, const int32_t* pos,
+               float base, float freq_scale, Stream s);
+
+// ---- matrix products ------------------------------------------------------------------------------
+// Bytes of x converted to act type for `rows` rows of n values; conversion as quantize_act_row_ref.
+size_t act_bytes(DType act, int64_t n, int rows);
+void quantize_acts(DType act, const float* x, int64_t n, int rows, int64_t ld_x, void* dst, Stream s);
+
+// y[t * ld_y + r] = W[r] . x[t] for t < n_tokens <= kMaxVecTokens, acts already converted to
+// dtype_info(w.type).act_type (rows act_bytes(act, w.cols, 1) apart).
+void matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_t ld_y, Stream s);
+
+// Routed experts, decode style: for slot j < n_slots, with m = slot_of ? slot_of[ids[j]] : ids[j],
+// matrix m of w times activation row act_row[j] (index into acts, rows act_bytes(act, cols, 1) apart)
+// -> y[j * ld_y + r]. m < 0 (an expert that lives in host memory) leaves row j of y untouched. All
+// index arrays are on the device, so the call can be captured in a CUDA graph.
+void matvec_experts(const DevMatrix& w, const int32_t* ids, const int32_t* slot_of, int n_slots, const void* acts,
+                    const int32_t* act_row, float* y, int64_t ld_y, Stream s);
+// dst[dst_rows ? dst_rows[i] : i] = src[src_rows ? src_rows[i] : i] for i < n rows of `width` floats.
+void copy_rows(const float* src, int64_t ld_src, const int32_t* src_rows, float* dst, int64_t ld_dst,
+               const int32_t* dst_rows, int n, int width, Stream s);
+
+// Prefill: y[t * ld_y + r] = W[r] . x[t] for any n_tokens, x in f32 (row stride ld_x). Uses a
+// dequantized f16 copy of W in `scratch` (at least dequant_scratch_bytes(w) bytes) and cuBLAS.
+size_t dequant_scratch_bytes(const DevMatrix& w);
+void matmul(const DevMatrix& w, int64_t mat, const float* x, int64_t ld_x, int n_tokens, float* y, int64_t ld_y,
+            void* scratch, Stream s);
+
+// ---- attention ------------------------------------------------------------------------------------
+// Cache of one layer, as cpu::KvView: K rows [pos][n_head_kv * head_dim], V transposed
+// [n_head_kv * head_dim_v][n_ctx], element type F16 or F32.
+struct DevKv {
+  DType type;
+  uint8_t* k;
+  uint8_t* v;
+  int n_ctx;
+};
+void kv_store(const DevKv& kv, const int32_t* pos, int n_tokens, const float* k, int64_t ld_k, const float* v,
+              int64_t ld_v, int n_head_kv, int head_dim, int head_dim_v, Stream s);
+// Causal attention of n_tokens queries at positions pos0 .. pos0 + n_tokens - 1 (pos0 on the host so
+// the launch can size itself; a graph-captured decode passes n_kv_max and reads the real position
+// from pos_dev[0]).
+void attention(const float* q, int64_t ld_q, const DevKv& kv, int pos0, const int32_t* pos_dev, int n_tokens,
+               int n_kv_max, int n_head, int n_head_kv, int head_dim, int head_dim_v, float scale, float* out,
+               int64_t ld_out, void* scratch, size_t scratch_bytes, Stream s);
+size_t attention_scratch_bytes(int n_tokens, int n_kv_max, int n_head, int head_dim_v);
+
+// ---- routing --------------------------------------------------------------------------------------
+// Per token: softmax over n_expert logits, top-k (larger first, lower index on ties), weights
+// renormalised with the sum clamped at 6.1e-5, as cpu::route_softmax_topk. ids/weights [n_tokens][k].
+void route_topk(const float* logits, int n_tokens, int n_expert, int k, int32_t* ids, float* weights, Stream s);
+// out[t] = sum_j weights[t][j] * y[row(t, j)] in j order; rows of y are n wide, row(t,j) = t*k + j.
+void moe_combine(const float* y, const float* weights, int n_tokens, int k, int n, float* out, Stream s);
+
+}  // namespace fitmoe::gpu

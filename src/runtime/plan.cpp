@@ -1,0 +1,400 @@
+#include "runtime/plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <regex>
+#include <sstream>
+
+#include "runtime/error.h"
+
+namespace fitmoe {
+
+namespace {
+
+constexpr uint64_t MiB = 1ull << 20;
+constexpr uint64_t GiB = 1ull << 30;
+
+std::string gib(double b) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f GiB", b / GiB);
+  return buf;
+}
+
+// blk.N.ffn_{gate,up,down,gate_up}_exps.weight -> layer N; else -1.
+int expert_layer(const std::string& name) {
+  static const std::regex re(R"(^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$)");
+  std::smatch m;
+  if (std::regex_match(name, m, re)) return std::stoi(m[1]);
+  return -1;
+}
+
+int tensor_layer(const std::string& name) {
+  static const std::regex re(R"(^blk\.(\d+)\.)");
+  std::smatch m;
+  if (std::regex_search(name, m, re)) return std::stoi(m[1]);
+  return -1;
+}
+
+// Expected number of distinct experts a batch of b tokens touches in one layer (k of E each).
+double distinct_experts(double E, double k, double b) { return E * (1.0 - std::pow(1.0 - k / E, b)); }
+
+}  // namespace
+
+uint64_t parse_size(const std::string& s) {
+  size_t pos = 0;
+  double v = 0;
+  try {
+    v = std::stod(s, &pos);
+  } catch (...) {
+    throw Error("bad size '" + s + "' (examples: 8G, 7.5GiB, 6144M)");
+  }
+  std::string unit = s.substr(pos);
+  for (auto& c : unit) c = static_cast<char>(std::tolower(c));
+  double mult = 1;
+  if (unit == "" || unit == "b") mult = 1;
+  else if (unit == "k" || unit == "kb" || unit == "kib") mult = 1024.0;
+  else if (unit == "m" || unit == "mb" || unit == "mib") mult = static_cast<double>(MiB);
+  else if (unit == "g" || unit == "gb" || unit == "gib") mult = static_cast<double>(GiB);
+  else if (unit == "t" || unit == "tb" || unit == "tib") mult = static_cast<double>(GiB) * 1024;
+  else throw Error("bad size unit in '" + s + "' (use K, M, G)");
+  if (!(v > 0) || v * mult > 1e15) throw Error("size out of range: '" + s + "'");
+  return static_cast<uint64_t>(v * mult);
+}
+
+std::vector<TensorOverride> parse_overrides(const std::vector<std::string>& args) {
+  std::vector<TensorOverride> out;
+  for (const auto& a : args) {
+    // The reference accepts "REGEX=BUF" and comma-separated lists of them.
+    std::stringstream ss(a);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      size_t eq = item.rfind('=');
+      if (eq == std::string::npos || eq == 0) throw Error("bad --override-tensor '" + item + "' (want REGEX=cpu or REGEX=cuda0)");
+      std::string dev = item.substr(eq + 1);
+      for (auto& c : dev) c = static_cast<char>(std::tolower(c));
+      TensorOverride o;
+      o.pattern = item.substr(0, eq);
+      if (dev == "cpu") o.to_gpu = false;
+      else if (dev == "cuda0" || dev == "gpu" || dev == "cuda") o.to_gpu = true;
+      else throw Error("bad --override-tensor device '" + dev + "' (cpu or cuda0)");
+      try {
+        std::regex check(o.pattern);
+      } catch (const std::regex_error& e) {
+        throw Error("bad --override-tensor regex '" + o.pattern + "': " + e.what());
+      }
+      out.push_back(o);
+    }
+  }
+  return out;
+}
+
+const TensorPlacement* Plan::find(const std::string& name) const {
+  for (auto& t : tensors)
+    if (t.name == name) return &t;
+  return nullptr;
+}
+
+Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions& opt, const MachineProfile& m) {
+  Plan p;
+  p.options = opt;
+  p.machine = m;
+  p.use_gpu = opt.use_gpu && m.gpu_free_bytes > 0;
+  const int E = cfg.n_expert, k = cfg.n_expert_used;
+
+  // KV cache and scratch first: they are needed whatever else fits.
+  const double kv_es = opt.kv_type == DType::F32 ? 4 : 2;
+  const uint64_t kv_per_token = static_cast<uint64_t>(cfg.n_layer) * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) * kv_es;
+  p.gpu_kv = kv_per_token * static_cast<uint64_t>(opt.n_ctx);
+  {
+    const uint64_t u = static_cast<uint64_t>(opt.n_ubatch);
+    const uint64_t widths = 3ull * cfg.n_embd + static_cast<uint64_t>(cfg.n_head) * (cfg.head_dim + cfg.head_dim_v) +
+                            2ull * cfg.n_head_kv * cfg.head_dim + std::max(E, 1);
+    uint64_t act = u * widths * 4;
+    if (E) act += u * k * (2ull * cfg.n_ff_exp + cfg.n_embd) * 4 + u * cfg.n_embd * 2;
+    if (cfg.n_ff) act += u * 3ull * cfg.n_ff * 4;
+    const uint64_t logits = static_cast<uint64_t>(cfg.n_vocab) * 4 * 8;
+    const uint64_t dequant = 64 * MiB;                               // prefill: dequantized weight tiles
+    const uint64_t attn = u * cfg.n_head * (static_cast<uint64_t>(std::min(opt.n_ctx, 4096)) + cfg.head_dim_v) * 4;
+    p.gpu_scratch = act + logits + dequant + attn;
+  }
+  p.reserve = 640 * MiB;  // CUDA context, cuBLAS workspace, allocator slack
+
+  // Classify tensors.
+  std::vector<size_t> expert_idx;
+  uint64_t expert_bytes_total = 0;
+  for (const auto& t : file.tensors()) {
+    TensorPlacement tp;
+    tp.name = t.name;
+    tp.bytes = t.nbytes;
+    tp.layer = tensor_layer(t.name);
+    tp.is_experts = E > 0 && expert_layer(t.name) >= 0 && t.ne[2] == E;
+    if (tp.is_experts) {
+      expert_idx.push_back(p.tensors.size());
+      expert_bytes_total += t.nbytes;
+    }
+    p.tensors.push_back(tp);
+  }
+  const bool tied = cfg.tied_output;
+
+  if (!p.use_gpu) {
+    for (auto& t : p.tensors) {
+      t.on_gpu = false;
+      t.reason = "no GPU in use";
+      if (t.is_experts) t.expert_on_gpu.assign(E, false);
+      (t.is_experts ? p.host_experts : p.host_weights) += t.bytes;
+    }
+    p.gpu_kv = p.gpu_scratch = p.reserve = 0;
+    p.notes.push_back(opt.use_gpu ? "no CUDA GPU found: everything runs on the CPU" : "--gpu none: everything runs on the CPU");
+  } else {
+    p.budget = opt.vram_budget ? opt.vram_budget : (m.gpu_free_bytes > 1 * GiB ? m.gpu_free_bytes - 512 * MiB : m.gpu_free_bytes);
+    if (opt.vram_budget && opt.vram_budget > m.gpu_free_bytes)
+      p.notes.push_back("the budget " + gib(opt.vram_budget) + " exceeds the card's free " + gib(m.gpu_free_bytes) +
+                        ": the card's free memory caps it");
+    if (opt.vram_budget) p.budget = std::min<uint64_t>(opt.vram_budget, m.gpu_free_bytes);
+
+    // 1. Non-expert tensors on the GPU (token embedding: host, only its rows are read, unless it is also
+    //    the output head).
+    for (auto& t : p.tensors) {
+      if (t.is_experts) continue;
+      if (t.name == "token_embd.weight" && !tied) {
+        t.on_gpu = false;
+        t.reason = "embedding rows are looked up on the host and uploaded per batch";
+        p.host_weights += t.bytes;
+      } else {
+        t.on_gpu = true;
+        t.reason = "non-expert weight: read by every token";
+        p.gpu_weights += t.bytes;
+      }
+    }
+    // Overrides can move non-expert tensors too.
+    for (auto& t : p.tensors) {
+      if (t.is_experts) continue;
+      for (const auto& o : opt.overrides) {
+        if (std::regex_search(t.name, std::regex(o.pattern))) {
+          if (t.on_gpu != o.to_gpu) {
+            (t.on_gpu ? p.gpu_weights : p.host_weights) -= t.bytes;
+            (o.to_gpu ? p.gpu_weights : p.host_weights) += t.bytes;
+          }
+          t.on_gpu = o.to_gpu;
+          t.reason = "--override-tensor " + o.pattern + "=" + (o.to_gpu ? "cuda0" : "cpu");
+          break;
+        }
+      }
+    }
+    const uint64_t fixed = p.gpu_weights + p.gpu_kv + p.gpu_scratch + p.reserve;
+    if (fixed > p.budget) {
+      // Would a minimal context fit?
+      const uint64_t min_kv = kv_per_token * 512;
+      std::ostringstream s;
+      s << "VRAM budget " << gib(p.budget) << " is too small: the non-expert weights need " << gib(p.gpu_weights)
+        << ", the KV cache of " << opt.n_ctx << " tokens " << gib(p.gpu_kv) << ", scratch " << gib(p.gpu_scratch)
+        << " and the CUDA reserve " << gib(p.reserve) << " (total " << gib(fixed) << ")";
+      if (p.gpu_weights + min_kv + p.gpu_scratch + p.reserve <= p.budget) {
+        const uint64_t max_ctx = (p.budget - p.gpu_weights - p.gpu_scratch - p.reserve) / kv_per_token;
+        s << "; a context of at most " << max_ctx << " tokens would fit";
+      } else {
+        s << "; at least " << gib(p.gpu_weights + min_kv + p.gpu_scratch + p.reserve)
+          << " is needed even with a 512-token context";
+      }
+      throw Error(s.str());
+    }
+    p.notes.push_back("non-expert weights " + gib(p.gpu_weights) + " and the KV cache (" + std::to_string(opt.n_ctx) +
+                      " tokens, " + dtype_name(opt.kv_type) + ") " + gib(p.gpu_kv) + " go to the GPU first");
+
+    // 2. Routed experts: as many as fit, spread evenly over the layers, after the manual rules.
+    if (E > 0 && !expert_idx.empty()) {
+      const int L = cfg.n_layer;
+      // Bytes of one expert across its layer's expert tensors.
+      std::vector<uint64_t> expert_bytes(L, 0);
+      for (size_t i : expert_idx) expert_bytes[p.tensors[i].layer] += p.tensors[i].bytes / E;
+      // Manual rules: forced host / forced GPU per layer.
+      std::vector<int> forced(L, 0);  // 0 free, -1 host, +1 gpu
+      for (int l = 0; l < L; ++l) {
+        if (opt.cpu_moe || l < opt.n_cpu_moe) forced[l] = -1;
+        for (size_t i : expert_idx) {
+          if (p.tensors[i].layer != l) continue;
+          for (const auto& o : opt.overrides)
+            if (std::regex_search(p.tensors[i].name, std::regex(o.pattern))) {
+              forced[l] = o.to_gpu ? 1 : -1;
+              break;
+            }
+        }
+      }
+      uint64_t room = p.budget - fixed;
+      std::vector<int> on_gpu(L, 0);
+      // Forced-GPU layers take all their experts first (if room allows).
+      for (int l = 0; l < L; ++l)
+        if (forced[l] == 1) {
+          uint64_t need = expert_bytes[l] * E;
+          if (need > room) throw Error("--override-tensor puts layer " + std::to_string(l) + "'s experts on the GPU, but they do not fit the budget");
+          on_gpu[l] = E;
+          room -= need;
+        }
+      // Then round-robin one expert per free layer while room remains: an even spread.
+      bool progress = true;
+      while (progress) {
+        progress = false;
+        for (int l = 0; l < L; ++l) {
+          if (forced[l] != 0 || on_gpu[l] >= E || expert_bytes[l] > room) continue;
+          on_gpu[l]++;
+          room -= expert_bytes[l];
+          progress = true;
+        }
+      }
+      int n_free = 0, sum_free = 0;
+      for (int l = 0; l < L; ++l)
+        if (forced[l] == 0) { n_free++; sum_free += on_gpu[l]; }
+      p.experts_per_layer_gpu = n_free ? sum_free / n_free : 0;
+      for (size_t i : expert_idx) {
+        auto& t = p.tensors[i];
+        const int l = t.layer;
+        t.expert_on_gpu.assign(E, false);
+        // Which experts: with uniform routing any; take the first on_gpu[l] (a routing-statistics
+        // driven choice replaces this once frequencies are known).
+        for (int e = 0; e < on_gpu[l]; ++e) t.expert_on_gpu[e] = true;
+        const uint64_t dev = t.bytes / E * on_gpu[l];
+        p.gpu_experts += dev;
+        p.host_experts += t.bytes - dev;
+        t.on_gpu = on_gpu[l] == E;
+        t.reason = forced[l] == -1 ? (opt.cpu_moe ? "--cpu-moe" : (l < opt.n_cpu_moe ? "--n-cpu-moe" : "--override-tensor"))
+                                   : forced[l] == 1 ? "--override-tensor" : "experts fill the remaining budget";
+      }
+      int total_gpu = 0;
+      for (int l = 0; l < L; ++l) total_gpu += on_gpu[l];
+      std::ostringstream s;
+      s << "routed experts: " << total_gpu << " of " << L * E << " (" << gib(static_cast<double>(p.gpu_experts))
+        << ") fit in the remaining " << gib(static_cast<double>(p.budget - fixed)) << "; "
+        << (total_gpu == L * E ? "all on the GPU" : "the rest stay in pinned host memory and run on the CPU during decode");
+      p.notes.push_back(s.str());
+      if (opt.n_cpu_moe || opt.cpu_moe) p.notes.push_back("manual rule applied on top: " + std::string(opt.cpu_moe ? "--cpu-moe" : "--n-cpu-moe " + std::to_string(opt.n_cpu_moe)));
+
+      // Bytes per decode token.
+      for (int l = 0; l < L; ++l) {
+        const double host_frac = static_cast<double>(E - on_gpu[l]) / E;
+        p.host_expert_bytes_per_token += k * expert_bytes[l] * host_frac;
+        p.gpu_bytes_per_token += k * expert_bytes[l] * (1 - host_frac);
+      }
+    }
+  }
+  if (!p.use_gpu && E > 0) {
+    for (auto& t : p.tensors)
+      if (t.is_experts) p.host_expert_bytes_per_token += static_cast<double>(t.bytes) / E * k;
+  }
+  // Non-expert bytes per token (the embedding reads one row).
+  double non_expert_tok = 0;
+  for (auto& t : p.tensors)
+    if (!t.is_experts && !(t.name == "token_embd.weight" && !tied)) non_expert_tok += static_cast<double>(t.bytes);
+
+  // Cost model. Decode: the GPU part (weights and KV at HBM speed, plus per-layer launch and sync
+  // costs) and the host experts (at host RAM speed) run layer by layer; per layer the CPU experts
+  // overlap the GPU experts.
+  const double L = cfg.n_layer;
+  const double kv_read = static_cast<double>(kv_per_token) * std::min(opt.n_ctx, 1024);  // a typical depth
+  if (p.use_gpu) {
+    const double t_gpu = (non_expert_tok + p.gpu_bytes_per_token + kv_read) / m.gpu_mem_bw + L * 25e-6;
+    const double t_host = p.host_expert_bytes_per_token / (0.9 * m.host_mem_bw) + (p.host_expert_bytes_per_token > 0 ? L * 15e-6 : 0);
+    p.predicted_tg = 1.0 / (t_gpu + t_host);
+    // Prefill of one micro-batch: GPU compute, plus per layer the cheaper of uploading the host experts
+    // the batch touches (PCIe) and computing them on the CPU.
+    const double B = opt.n_ubatch;
+    const double flops_tok = 2.0 * (non_expert_tok + (E ? k * p.host_expert_bytes_per_token / std::max(1, k) : 0)) / 0.6;
+    double t = B * 2.0 * (non_expert_tok / 0.6 + (E ? 0 : 0)) / m.gpu_flops;
+    if (E) {
+      double exp_params_tok = 0;  // routed expert parameters per token (~bytes/0.6 at 4.8 bits)
+      for (auto& tpl : p.tensors)
+        if (tpl.is_experts) exp_params_tok += static_cast<double>(tpl.bytes) / E * k / 0.6;
+      t += B * 2.0 * exp_params_tok / m.gpu_flops;
+      const double per_layer_host_expert_bytes = static_cast<double>(p.host_experts) / std::max(1.0, L) / E;
+      const double used = distinct_experts(E, k, B);
+      const double host_frac = static_cast<double>(p.host_experts) / std::max<double>(1, p.host_experts + p.gpu_experts);
+      const double t_upload = used * host_frac * per_layer_host_expert_bytes / m.pcie_bw;
+      const double t_cpu = B * k * host_frac * 2.0 * (per_layer_host_expert_bytes / 0.6) / std::max(1.0, m.cpu_int8_flops);
+      t += L * std::min(t_upload, t_cpu);
+      (void)flops_tok;
+    }
+    t += L * 60e-6;
+    p.predicted_pp = B / t;
+  } else {
+    const double bytes = non_expert_tok + p.host_expert_bytes_per_token;
+    p.predicted_tg = 0.9 * m.host_mem_bw / bytes;
+    p.predicted_pp = std::max(1.0, m.cpu_int8_flops) / (2.0 * bytes / 0.6) * 0.5;
+  }
+  return p;
+}
+
+std::string Plan::summary_line() const {
+  std::ostringstream s;
+  if (!use_gpu) {
+    s << "plan: CPU only (" << options.n_ctx << "-token context); predicted " << static_cast<int>(predicted_tg) << " tok/s generation";
+    return s.str();
+  }
+  int on = 0, total = 0;
+  for (auto& t : tensors)
+    if (t.is_experts) {
+      total += static_cast<int>(t.expert_on_gpu.size());
+      on += static_cast<int>(std::count(t.expert_on_gpu.begin(), t.expert_on_gpu.end(), true));
+    }
+  s << "plan: " << machine.gpu_name << ", budget " << gib(static_cast<double>(budget)) << ": non-expert weights "
+    << gib(static_cast<double>(gpu_weights)) << " + KV " << gib(static_cast<double>(gpu_kv));
+  if (total) s << " + experts " << on / 3 << "/" << total / 3 << " on the GPU (" << gib(static_cast<double>(gpu_experts)) << ")";
+  s << "; predicted " << static_cast<int>(predicted_pp) << " tok/s prompt, " << static_cast<int>(predicted_tg) << " tok/s generation";
+  return s.str();
+}
+
+std::string Plan::report() const {
+  std::ostringstream s;
+  s << "machine: " << (machine.gpu_name.empty() ? "no GPU" : machine.gpu_name) << ", GPU memory "
+    << gib(static_cast<double>(machine.gpu_free_bytes)) << " free, GPU " << machine.gpu_mem_bw / 1e9 << " GB/s, PCIe "
+    << machine.pcie_bw / 1e9 << " GB/s (pinned), host RAM " << machine.host_mem_bw / 1e9 << " GB/s, "
+    << machine.cpu_threads << " CPU threads [" << machine.source << "]\n";
+  if (use_gpu) {
+    s << "\nGPU memory map (budget " << gib(static_cast<double>(budget)) << "):\n";
+    s << "  non-expert weights  " << gib(static_cast<double>(gpu_weights)) << "\n";
+    s << "  routed experts      " << gib(static_cast<double>(gpu_experts)) << "\n";
+    s << "  KV cache            " << gib(static_cast<double>(gpu_kv)) << "  (" << options.n_ctx << " tokens, " << dtype_name(options.kv_type) << ")\n";
+    s << "  scratch             " << gib(static_cast<double>(gpu_scratch)) << "  (micro-batch " << options.n_ubatch << ")\n";
+    s << "  CUDA reserve        " << gib(static_cast<double>(reserve)) << "\n";
+    s << "  total               " << gib(static_cast<double>(gpu_total())) << "\n";
+  }
+  s << "host memory: " << gib(static_cast<double>(host_weights)) << " weights + " << gib(static_cast<double>(host_experts))
+    << " routed experts" << (use_gpu && host_experts ? " (pinned)" : "") << "\n";
+  s << "\nplacement by tensor class:\n";
+  // Group: per class name (strip blk.N.), count on GPU / host.
+  struct Agg { uint64_t gpu = 0, host = 0; int n = 0; std::string reason; };
+  std::vector<std::pair<std::string, Agg>> classes;
+  for (auto& t : tensors) {
+    std::string cls = t.name;
+    if (t.layer >= 0) cls = "blk.*." + t.name.substr(t.name.find('.', 4) + 1);
+    auto it = std::find_if(classes.begin(), classes.end(), [&](auto& c) { return c.first == cls; });
+    if (it == classes.end()) { classes.push_back({cls, {}}); it = classes.end() - 1; }
+    it->second.n++;
+    if (t.is_experts) {
+      const double frac = t.expert_on_gpu.empty() ? 0 : static_cast<double>(std::count(t.expert_on_gpu.begin(), t.expert_on_gpu.end(), true)) / t.expert_on_gpu.size();
+      it->second.gpu += static_cast<uint64_t>(t.bytes * frac);
+      it->second.host += t.bytes - static_cast<uint64_t>(t.bytes * frac);
+    } else {
+      (t.on_gpu ? it->second.gpu : it->second.host) += t.bytes;
+    }
+    it->second.reason = t.reason;
+  }
+  for (auto& [cls, a] : classes) {
+    char line[256];
+    std::snprintf(line, sizeof line, "  %-36s x%-3d GPU %10s  host %10s  %s\n", cls.c_str(), a.n,
+                  gib(static_cast<double>(a.gpu)).c_str(), gib(static_cast<double>(a.host)).c_str(), a.reason.c_str());
+    s << line;
+  }
+  s << "\nwhy:\n";
+  for (auto& n : notes) s << "  - " << n << "\n";
+  char pred[256];
+  std::snprintf(pred, sizeof pred,
+                "\npredicted: prompt %.0f tok/s (micro-batch %d), generation %.1f tok/s\n"
+                "  per generated token: %.3f GB of host-resident experts (bound %.1f tok/s at host RAM speed), %.3f GB read on the GPU\n",
+                predicted_pp, options.n_ubatch, predicted_tg, host_expert_bytes_per_token / 1e9,
+                host_expert_bytes_per_token > 0 ? machine.host_mem_bw / host_expert_bytes_per_token : 0.0,
+                gpu_bytes_per_token / 1e9);
+  s << pred;
+  return s.str();
+}
+
+}  // namespace fitmoe

@@ -1,0 +1,93 @@
+// The plan: the single owner of "what lives where". Given a model file, a VRAM budget, a context size
+// and the machine's bandwidths, it decides for every tensor whether it lives in GPU memory or in
+// (pinned) host memory -- for the routed experts of an MoE, expert by expert -- sizes the KV cache and
+// scratch, predicts prompt and generation speed from a cost model, and says why.
+//
+// Order of placement: everything that is not a routed expert (attention, router, norms, shared
+// experts, output head) and the KV cache of the requested context first, then as many routed experts
+// as fit, spread evenly over the layers (with uniform routing any expert is as hot as any other; the
+// even spread lets every layer run some experts on the GPU while the CPU runs the others). Manual
+// overrides (--n-cpu-moe, --cpu-moe, --override-tensor) are applied on top and always win.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "format/gguf.h"
+#include "model/config.h"
+#include "quant/dtype.h"
+
+namespace fitmoe {
+
+// What the planner knows of the machine. Bandwidths in bytes/s, compute in FLOP/s.
+struct MachineProfile {
+  std::string gpu_name = "none";
+  uint64_t gpu_free_bytes = 0;      // what the card has free (0: no GPU)
+  double gpu_mem_bw = 0;            // device memory bandwidth
+  double gpu_flops = 0;             // dense f16 matrix rate (for prefill)
+  double pcie_bw = 0;               // host->device from pinned memory
+  double host_mem_bw = 0;           // host RAM read with all threads
+  double cpu_int8_flops = 0;        // CPU int8 matrix rate (prefill of host experts)
+  int cpu_threads = 1;
+  std::string source = "defaults";  // "measured", "cached", "flags", "defaults"
+};
+
+// A regex -> device rule, as the reference's --override-tensor.
+struct TensorOverride {
+  std::string pattern;   // ECMAScript regex searched in the tensor name
+  bool to_gpu = false;   // false: host ("cpu"), true: "cuda0"
+};
+
+struct PlanOptions {
+  bool use_gpu = true;                // false: --gpu none
+  uint64_t vram_budget = 0;           // 0: the card's free memory minus a margin
+  int n_ctx = 4096;
+  DType kv_type = DType::F16;
+  int n_ubatch = 512;                 // prefill micro-batch
+  int n_cpu_moe = 0;                  // experts of the first N layers on the host
+  bool cpu_moe = false;               // all routed experts on the host
+  std::vector<TensorOverride> overrides;
+};
+
+struct TensorPlacement {
+  std::string name;
+  uint64_t bytes = 0;
+  bool on_gpu = false;
+  bool is_experts = false;            // a 3-D routed-expert tensor
+  int layer = -1;
+  std::vector<bool> expert_on_gpu;    // per expert, for is_experts tensors
+  std::string reason;
+};
+
+struct Plan {
+  bool use_gpu = false;
+  MachineProfile machine;
+  PlanOptions options;
+  // Memory map (bytes).
+  uint64_t budget = 0;
+  uint64_t reserve = 0;               // CUDA context, cuBLAS workspace, fragmentation
+  uint64_t gpu_weights = 0, gpu_experts = 0, gpu_kv = 0, gpu_scratch = 0;
+  uint64_t host_weights = 0, host_experts = 0;
+  int experts_per_layer_gpu = 0;      // uniform spread (per layer counts may differ after overrides)
+  std::vector<TensorPlacement> tensors;
+  // Per decode token.
+  double host_expert_bytes_per_token = 0;
+  double gpu_bytes_per_token = 0;
+  double predicted_tg = 0, predicted_pp = 0;
+  std::vector<std::string> notes;     // every choice, in order, in words
+
+  uint64_t gpu_total() const { return gpu_weights + gpu_experts + gpu_kv + gpu_scratch + reserve; }
+  const TensorPlacement* find(const std::string& name) const;
+  std::string summary_line() const;   // the one line `run` prints
+  std::string report() const;         // what `fitmoe plan` prints
+};
+
+// Builds the plan from the file alone (no weights are read). Throws Error when the budget cannot hold
+// the non-expert weights plus a minimal KV cache, saying how much is needed.
+Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions& opt, const MachineProfile& m);
+
+// "8G", "7.5GiB", "8192M", "500MB" -> bytes (G, M, K are binary; a bare number is bytes). Throws Error.
+uint64_t parse_size(const std::string& s);
+std::vector<TensorOverride> parse_overrides(const std::vector<std::string>& args);  // "REGEX=cpu|cuda0"
+
+}  // namespace fitmoe
