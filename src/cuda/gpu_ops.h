@@ -74,6 +74,11 @@ void copy_rows(const float* src, int64_t ld_src, const int32_t* src_rows, float*
 size_t dequant_scratch_bytes(const DevMatrix& w);
 void matmul(const DevMatrix& w, int64_t mat, const float* x, int64_t ld_x, int n_tokens, float* y, int64_t ld_y,
             void* scratch, Stream s);
+// (added by the kernels) What matmul really needs in `scratch`: dequant_scratch_bytes(w) (the f16 weight
+// tile: whole matrices up to 64 MiB, larger ones in row tiles of that size; 0 for F32/F16/BF16) followed
+// by the activations converted to f16/bf16 (n_tokens * cols * 2 bytes; none for F32 weights).
+// scratch must be 16-byte aligned.
+size_t matmul_scratch_bytes(const DevMatrix& w, int n_tokens);
 
 // ---- attention ------------------------------------------------------------------------------------
 // Cache of one layer, as cpu::KvView: K rows [pos][n_head_kv * head_dim], V transposed

@@ -290,11 +290,10 @@ void route_softmax_topk(const float* logits, int n_expert, int k, bool renormali
   }
 }
 
-void moe_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tokens, int n_embd,
-             const int32_t* experts, const float* weights, int k, float* out, Scratch& scratch) {
+void expert_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tokens, int n_embd,
+                const int32_t* token_of_slot, const int32_t* experts, int n_assign, float* out, Scratch& scratch) {
   const int n_expert = static_cast<int>(w.gate.ne[2]);
   const int64_t n_ff = w.gate.rows();
-  const int n_assign = n_tokens * k;
 
   // Group the (token, slot) assignments by expert: expert e owns rows [offset[e], offset[e+1]) of the
   // grouped buffers, tokens in ascending order, so each expert's weights are read once per batch.
@@ -309,7 +308,7 @@ void moe_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tok
     std::vector<int> fill(offset.begin(), offset.end() - 1);
     for (int a = 0; a < n_assign; ++a) {
       int row = fill[experts[a]]++;
-      grouped[row] = a;      // assignment index = token * k + slot
+      grouped[row] = a;      // assignment (slot) index
       slot_row[a] = row;
     }
   }
@@ -324,7 +323,11 @@ void moe_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tok
   uint8_t* xq = scratch.bytes(10, in_stride * n_tokens);
   QuantizedActs xa = quantize_acts(pool, act_in, x, n_embd, n_embd, n_tokens, xq);
   uint8_t* xg = scratch.bytes(11, in_stride * n_assign);
-  for (int r = 0; r < n_assign; ++r) std::memcpy(xg + r * in_stride, xa.data + (grouped[r] / k) * in_stride, in_stride);
+  for (int r = 0; r < n_assign; ++r) {
+    const int t = token_of_slot[grouped[r]];
+    if (t < 0 || t >= n_tokens) throw Error("expert_ffn: token index out of range");
+    std::memcpy(xg + r * in_stride, xa.data + static_cast<size_t>(t) * in_stride, in_stride);
+  }
 
   float* g = scratch.floats(12, static_cast<size_t>(n_assign) * n_ff);
   float* u = scratch.floats(13, static_cast<size_t>(n_assign) * n_ff);
@@ -371,11 +374,26 @@ void moe_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tok
   });
   run_experts(w.down, nullptr, hq, mid_stride, d, nullptr, n_embd);
 
+  for (int a = 0; a < n_assign; ++a)
+    std::memcpy(out + static_cast<int64_t>(a) * n_embd, d + static_cast<int64_t>(slot_row[a]) * n_embd, sizeof(float) * n_embd);
+}
+
+void moe_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tokens, int n_embd,
+             const int32_t* experts, const float* weights, int k, float* out, Scratch& scratch) {
+  const int n_assign = n_tokens * k;
+  std::vector<int32_t> token_of(static_cast<size_t>(n_assign));
+  for (int a = 0; a < n_assign; ++a) token_of[a] = a / k;
+  float* y = scratch.floats(16, static_cast<size_t>(n_assign) * n_embd);
+  expert_ffn(pool, w, x, n_tokens, n_embd, token_of.data(), experts, n_assign, y, scratch);
+  moe_combine(y, weights, n_tokens, k, n_embd, out);
+}
+
+void moe_combine(const float* y, const float* weights, int n_tokens, int k, int n_embd, float* out) {
   for (int t = 0; t < n_tokens; ++t) {
     float* o = out + static_cast<int64_t>(t) * n_embd;
     for (int j = 0; j < k; ++j) {
       const float wj = weights[t * k + j];
-      const float* dr = d + static_cast<int64_t>(slot_row[t * k + j]) * n_embd;
+      const float* dr = y + static_cast<int64_t>(t * k + j) * n_embd;
       if (j == 0) {
         for (int i = 0; i < n_embd; ++i) o[i] = dr[i] * wj;
       } else {

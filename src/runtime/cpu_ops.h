@@ -100,6 +100,13 @@ struct ExpertWeights {
 };
 void moe_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tokens, int n_embd,
              const int32_t* experts, const float* weights, int k, float* out, Scratch& scratch);
+// The unweighted outputs of a list of (token, expert) slots: out[a] = down_e(silu(gate_e x_t) * up_e x_t)
+// with t = token_of_slot[a], e = experts[a]; each chosen expert's weights are read once. Used by
+// moe_ffn and by the GPU engine for the experts that live in host memory.
+void expert_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tokens, int n_embd,
+                const int32_t* token_of_slot, const int32_t* experts, int n_slots, float* out, Scratch& scratch);
+// out[t] = sum_j weights[t][j] * y[t * k + j], summed in j order (the reference's order).
+void moe_combine(const float* y, const float* weights, int n_tokens, int k, int n_embd, float* out);
 
 // Dense SwiGLU FFN: out = down(silu(gate x) * up x).
 void dense_ffn(ThreadPool& pool, const Weight& gate, const Weight& up, const Weight& down, const float* x,

@@ -47,6 +47,9 @@ struct PlanOptions {
   int n_cpu_moe = 0;                  // experts of the first N layers on the host
   bool cpu_moe = false;               // all routed experts on the host
   std::vector<TensorOverride> overrides;
+  // How prefill treats host-resident experts a micro-batch uses: "auto" (the cost model picks per
+  // layer), "upload" (copy them to the GPU) or "cpu" (compute them on the CPU).
+  std::string prefill_host_experts = "auto";
 };
 
 struct TensorPlacement {

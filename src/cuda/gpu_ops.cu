@@ -1,0 +1,1920 @@
+// The GPU op set (CUDA kernels behind src/cuda/gpu_ops.h).
+//
+// Numerics, as the CPU engine (src/runtime/cpu_ops.cpp, src/quant/reference.cpp):
+// - Activation quantizers and weight decoders use explicit IEEE intrinsics (__fmul_rn, __fadd_rn,
+//   __fdiv_rn, ...) wherever the CPU rounds an intermediate result, so nvcc's default contraction of
+//   a*b+c into an FMA (and any future -fmad setting) cannot change them. No special flags are needed,
+//   but this file must NOT be compiled with --use_fast_math (expf, division and sqrt would change).
+// - Integer block dot products: every block's (or super-block's) integer sum is formed exactly (dp4a,
+//   then an integer reduction across the lanes that share a block) before it is converted to float and
+//   multiplied by d_w * d_a, exactly as quant::vec_dot_ref; only the float sum over blocks is in a
+//   different order (lanes, then a warp reduction).
+// - Attention: the K.Q scores are computed in the reference's canonical order (16 interleaved f32
+//   lanes with fma, folded in halves), so they are bit-identical to cpu::attention's; softmax uses
+//   CUDA's expf (<= 2 ulp, glibc's expf may differ in the last bit) and a double sum.
+#include "cuda/gpu_ops.h"
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <mutex>
+#include <string>
+
+#include "runtime/error.h"
+
+namespace fitmoe::gpu {
+namespace {
+
+// ================================ host-side helpers ===============================================
+
+[[noreturn]] void fail(const std::string& what) { throw Error(what); }
+
+void cuda_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) fail(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(e));
+}
+// After every launch: configuration errors (and earlier asynchronous faults) surface here.
+void launched(const char* what) { cuda_ok(cudaGetLastError(), what); }
+
+inline cudaStream_t cs(Stream s) { return static_cast<cudaStream_t>(s); }
+inline unsigned blocks_for(int64_t n, int per) { return static_cast<unsigned>((n + per - 1) / per); }
+inline size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+inline bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+const char* tname(DType t) { return dtype_name(t); }
+
+// Opt a kernel into more than 48 KiB of dynamic shared memory when it needs it.
+template <class K>
+void need_smem(K kernel, size_t bytes, const char* what) {
+  if (bytes <= 48 * 1024) return;
+  int dev = 0, optin = 0;
+  cuda_ok(cudaGetDevice(&dev), what);
+  cuda_ok(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), what);
+  if (bytes > static_cast<size_t>(optin))
+    fail(std::string(what) + ": needs " + std::to_string(bytes) + " bytes of shared memory per block, the device allows " +
+         std::to_string(optin));
+  cuda_ok(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)), what);
+}
+
+// ================================ device-side helpers =============================================
+
+constexpr unsigned kFull = 0xffffffffu;
+
+__device__ __forceinline__ uint32_t ld_u16(const uint8_t* p) { return *reinterpret_cast<const uint16_t*>(p); }
+// A 32-bit word at an address aligned to A bytes (2 or 4).
+template <int A>
+__device__ __forceinline__ int ld_i32(const uint8_t* p) {
+  if constexpr (A >= 4) {
+    return *reinterpret_cast<const int*>(p);
+  } else {
+    return static_cast<int>(__byte_perm(ld_u16(p), ld_u16(p + 2), 0x5410));
+  }
+}
+__device__ __forceinline__ float h2f(uint32_t h) { return __half2float(__ushort_as_half(static_cast<unsigned short>(h))); }
+__device__ __forceinline__ uint16_t f2h_bits(float f) { return __half_as_ushort(__float2half_rn(f)); }
+__device__ __forceinline__ float bf2f(uint32_t b) { return __uint_as_float(b << 16); }
+// As fitmoe::f32_to_bf16: round to nearest even, NaN kept quiet.
+__device__ __forceinline__ uint16_t f2bf_bits(float f) {
+  const uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+// Bytes b (each < 128) minus k (k <= 128), per byte, as signed int8 results.
+__device__ __forceinline__ int sub_bytes(uint32_t v, uint32_t k) {
+  return static_cast<int>(((v | 0x80808080u) - k * 0x01010101u) ^ 0x80808080u);
+}
+// Bits 0..3 of x to bit 4 of bytes 0..3 (Q5_0/Q5_1 high bits).
+__device__ __forceinline__ uint32_t spread_bits(uint32_t x) {
+  return ((x << 4) & 0x10u) | ((x << 11) & 0x1000u) | ((x << 18) & 0x100000u) | ((x << 25) & 0x10000000u);
+}
+// Four 4-bit indices (one per byte, values 0..15) -> the IQ4 code book values, as int8 bytes.
+__device__ __forceinline__ int iq4_lookup(uint32_t x) {
+  // kIQ4Values = {-127,-104,-83,-65,-49,-35,-22,-10, 1,13,25,38,53,69,89,113}
+  const uint32_t t0 = 0xBFAD9881u, t1 = 0xF6EADDCFu, t2 = 0x26190D01u, t3 = 0x71594535u;
+  const uint32_t idx = x & 0x07070707u;
+  const uint32_t sel = ((idx | (idx >> 4)) & 0xffu) | ((((idx >> 16) | (idx >> 20)) & 0xffu) << 8);
+  const uint32_t lo = __byte_perm(t0, t1, sel), hi = __byte_perm(t2, t3, sel);
+  const uint32_t mask = ((x >> 3) & 0x01010101u) * 0xffu;
+  return static_cast<int>((lo & ~mask) | (hi & mask));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+__device__ __forceinline__ int warp_sum(int v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
+  return v;
+}
+
+// ================================ weight block decoders ===========================================
+//
+// Every quantized type is processed in "parts" of 32 consecutive values (a 32-value block is one part,
+// a 256-value super-block eight). decode() turns part p of a block into 32 signed 8-bit codes (packed
+// four per int: value i of the part in byte i%4 of word i/4) plus the scales that turn integer sums
+// into floats, such that the block's contribution is exactly the reference's.
+
+struct WPart {
+  int q[8];
+  float d;       // block scale (super-block scale for the K types)
+  float m;       // Q4_1/Q5_1: the min; K types with mins: dmin
+  int sc0, sc1;  // K types: the integer scales of the part's two 16-value groups
+  int mn0, mn1;  // K types with mins: the integer mins of those groups
+};
+
+enum Fam { kFamQ8_0 = 0, kFamQ8_1 = 1, kFamQ8_K = 2 };  // activation format
+// How a decoded code becomes a float (bit-exact with the reference's dequantizers):
+//   kDeqMul: code * d;  kDeqMulAdd: code * d + m;  kDeqScaleMin: (d*sc) * code - (dmin*mn);
+//   kDeqScale: (d*sc) * code
+enum Deq { kDeqMul = 0, kDeqMulAdd = 1, kDeqScaleMin = 2, kDeqScale = 3 };
+
+template <DType T>
+struct WT;
+
+template <>
+struct WT<DType::Q4_0> {
+  static constexpr int kQK = 32, kBytes = 18, kFam = kFamQ8_0, kDeq = kDeqMul;
+  static constexpr bool kMin = false;
+  __device__ static __forceinline__ void decode(const uint8_t* b, int, WPart& w) {
+    w.d = h2f(ld_u16(b));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t v = ld_i32<2>(b + 2 + 4 * i);
+      w.q[i] = sub_bytes(v & 0x0f0f0f0fu, 8);
+      w.q[i + 4] = sub_bytes((v >> 4) & 0x0f0f0f0fu, 8);
+    }
+  }
+};
+template <>
+struct WT<DType::Q4_1> {
+  static constexpr int kQK = 32, kBytes = 20, kFam = kFamQ8_1, kDeq = kDeqMulAdd;
+  static constexpr bool kMin = false;
+  __device__ static __forceinline__ void decode(const uint8_t* b, int, WPart& w) {
+    const uint32_t dm = ld_i32<4>(b);
+    w.d = h2f(dm & 0xffffu);
+    w.m = h2f(dm >> 16);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t v = ld_i32<4>(b + 4 + 4 * i);
+      w.q[i] = static_cast<int>(v & 0x0f0f0f0fu);
+      w.q[i + 4] = static_cast<int>((v >> 4) & 0x0f0f0f0fu);
+    }
+  }
+};
+template <>
+struct WT<DType::Q5_0> {
+  static constexpr int kQK = 32, kBytes = 22, kFam = kFamQ8_0, kDeq = kDeqMul;
+  static constexpr bool kMin = false;
+  __device__ static __forceinline__ void decode(const uint8_t* b, int, WPart& w) {
+    w.d = h2f(ld_u16(b));
+    const uint32_t qh = ld_i32<2>(b + 2);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t v = ld_i32<2>(b + 6 + 4 * i);
+      w.q[i] = sub_bytes((v & 0x0f0f0f0fu) | spread_bits(qh >> (4 * i)), 16);
+      w.q[i + 4] = sub_bytes(((v >> 4) & 0x0f0f0f0fu) | spread_bits(qh >> (16 + 4 * i)), 16);
+    }
+  }
+};
+template <>
+struct WT<DType::Q5_1> {
+  static constexpr int kQK = 32, kBytes = 24, kFam = kFamQ8_1, kDeq = kDeqMulAdd;
+  static constexpr bool kMin = false;
+  __device__ static __forceinline__ void decode(const uint8_t* b, int, WPart& w) {
+    const uint32_t dm = ld_i32<4>(b);
+    w.d = h2f(dm & 0xffffu);
+    w.m = h2f(dm >> 16);
+    const uint32_t qh = ld_i32<4>(b + 4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t v = ld_i32<4>(b + 8 + 4 * i);
+      w.q[i] = static_cast<int>((v & 0x0f0f0f0fu) | spread_bits(qh >> (4 * i)));
+      w.q[i + 4] = static_cast<int>(((v >> 4) & 0x0f0f0f0fu) | spread_bits(qh >> (16 + 4 * i)));
+    }
+  }
+};
+template <>
+struct WT<DType::Q8_0> {
+  static constexpr int kQK = 32, kBytes = 34, kFam = kFamQ8_0, kDeq = kDeqMul;
+  static constexpr bool kMin = false;
+  __device__ static __forceinline__ void decode(const uint8_t* b, int, WPart& w) {
+    w.d = h2f(ld_u16(b));
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w.q[i] = ld_i32<2>(b + 2 + 4 * i);
+  }
+};
+template <>
+struct WT<DType::IQ4_NL> {
+  static constexpr int kQK = 32, kBytes = 18, kFam = kFamQ8_0, kDeq = kDeqMul;
+  static constexpr bool kMin = false;
+  __device__ static __forceinline__ void decode(const uint8_t* b, int, WPart& w) {
+    w.d = h2f(ld_u16(b));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t v = ld_i32<2>(b + 2 + 4 * i);
+      w.q[i] = iq4_lookup(v & 0x0f0f0f0fu);
+      w.q[i + 4] = iq4_lookup((v >> 4) & 0x0f0f0f0fu);
+    }
+  }
+};
+// Q2_K: scales[16] | qs[64] | d | dmin. Part p: half p/4, 2-bit field p%4 of qs[32*half + l].
+template <>
+struct WT<DType::Q2_K> {
+  static constexpr int kQK = 256, kBytes = 84, kFam = kFamQ8_K, kDeq = kDeqScaleMin;
+  static constexpr bool kMin = true;
+  __device__ static __forceinline__ void decode(const uint8_t* b, int p, WPart& w) {
+    const uint32_t dd = ld_i32<4>(b + 80);
+    w.d = h2f(dd & 0xffffu);
+    w.m = h2f(dd >> 16);
+    const uint32_t sc = ld_u16(b + 2 * p);
+    w.sc0 = sc & 15;
+    w.mn0 = (sc >> 4) & 15;
+    w.sc1 = (sc >> 8) & 15;
+    w.mn1 = (sc >> 12) & 15;
+    const uint8_t* qs = b + 16 + 32 * (p >> 2);
+    const int sh = 2 * (p & 3);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w.q[i] = static_cast<int>((static_cast<uint32_t>(ld_i32<4>(qs + 4 * i)) >> sh) & 0x03030303u);
+  }
+};
+// Q3_K: hmask[32] | qs[64] | scales[12] | d. Part p: low 2 bits as Q2_K, high bit p of hmask[l]
+// (clear: minus 4).
+template <>
+struct WT<DType::Q3_K> {
+  static constexpr int kQK = 256, kBytes = 110, kFam = kFamQ8_K, kDeq = kDeqScale;
+  static constexpr bool kMin = false;
+  __device__ static __forceinline__ void decode(const uint8_t* b, int p, WPart& w) {
+    w.d = h2f(ld_u16(b + 108));
+    // Scale s (0..15): low nibble from byte s (s < 8) or the high nibble of byte s-8; top two bits
+    // from byte 8 + s%4, bit pair s/4. This part's scales are s = 2p, 2p+1.
+    const uint32_t lo = ld_u16(b + 96 + ((2 * p) & 7));
+    const uint32_t hi = ld_u16(b + 96 + 8 + ((2 * p) & 3));
+    const int sl = p >= 4 ? 4 : 0, shh = 2 * (p >> 1);
+    w.sc0 = static_cast<int>(((lo >> sl) & 15u) | (((hi >> shh) & 3u) << 4)) - 32;
+    w.sc1 = static_cast<int>(((lo >> (8 + sl)) & 15u) | (((hi >> (8 + shh)) & 3u) << 4)) - 32;
+    const uint8_t* qs = b + 32 + 32 * (p >> 2);
+    const int sh = 2 * (p & 3);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t v = (static_cast<uint32_t>(ld_i32<2>(qs + 4 * i)) >> sh) & 0x03030303u;
+      const uint32_t h = (static_cast<uint32_t>(ld_i32<2>(b + 4 * i)) >> p) & 0x01010101u;
+      w.q[i] = sub_bytes(v | (h << 2), 4);
+    }
+  }
+};
+// Q4_K / Q5_K six-bit scales and mins of sub-block p (0..7) from the 12 scale bytes.
+__device__ __forceinline__ void k4_scale_min(const uint8_t* s, int p, int& sc, int& mn) {
+  if (p < 4) {
+    sc = s[p] & 63;
+    mn = s[p + 4] & 63;
+  } else {
+    sc = (s[p + 4] & 15) | ((s[p - 4] >> 6) << 4);
+    mn = (s[p + 4] >> 4) | ((s[p] >> 6) << 4);
+  }
+}
+template <>
+struct WT<DType::Q4_K> {
+  static constexpr int kQK = 256, kBytes = 144, kFam = kFamQ8_K, kDeq = kDeqScaleMin;
+  static constexpr bool kMin = true;
+  __device__ static __forceinline__ void decode(const uint8_t* b, int p, WPart& w) {
+    const uint32_t dd = ld_i32<4>(b);
+    w.d = h2f(dd & 0xffffu);
+    w.m = h2f(dd >> 16);
+    k4_scale_min(b + 4, p, w.sc0, w.mn0);
+    w.sc1 = w.sc0;
+    w.mn1 = w.mn0;
+    const uint8_t* qs = b + 16 + 32 * (p >> 1);
+    const int sh = 4 * (p & 1);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w.q[i] = static_cast<int>((static_cast<uint32_t>(ld_i32<4>(qs + 4 * i)) >> sh) & 0x0f0f0f0fu);
+  }
+};
+template <>
+struct WT<DType::Q5_K> {
+  static constexpr int kQK = 256, kBytes = 176, kFam = kFamQ8_K, kDeq = kDeqScaleMin;
+  static constexpr bool kMin = true;
+  __device__ static __forceinline__ void decode(const uint8_t* b, int p, WPart& w) {
+    const uint32_t dd = ld_i32<4>(b);
+    w.d = h2f(dd & 0xffffu);
+    w.m = h2f(dd >> 16);
+    k4_scale_min(b + 4, p, w.sc0, w.mn0);
+    w.sc1 = w.sc0;
+    w.mn1 = w.mn0;
+    const uint8_t* qs = b + 48 + 32 * (p >> 1);
+    const int sh = 4 * (p & 1);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t v = (static_cast<uint32_t>(ld_i32<4>(qs + 4 * i)) >> sh) & 0x0f0f0f0fu;
+      const uint32_t h = (static_cast<uint32_t>(ld_i32<4>(b + 16 + 4 * i)) >> p) & 0x01010101u;
+      w.q[i] = static_cast<int>(v | (h << 4));
+    }
+  }
+};
+// Q6_K: ql[128] | qh[64] | int8 scales[16] | d. Part p: half p/4, group g = p%4 of the half.
+template <>
+struct WT<DType::Q6_K> {
+  static constexpr int kQK = 256, kBytes = 210, kFam = kFamQ8_K, kDeq = kDeqScale;
+  static constexpr bool kMin = false;
+  __device__ static __forceinline__ void decode(const uint8_t* b, int p, WPart& w) {
+    w.d = h2f(ld_u16(b + 208));
+    const uint32_t sc = ld_u16(b + 192 + 2 * p);
+    w.sc0 = static_cast<int8_t>(sc & 0xffu);
+    w.sc1 = static_cast<int8_t>(sc >> 8);
+    const int half = p >> 2, g = p & 3;
+    const uint8_t* ql = b + 64 * half + 32 * (g & 1);
+    const uint8_t* qh = b + 128 + 32 * half;
+    const int shl = 4 * (g >> 1), shh = 2 * g;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t lo = (static_cast<uint32_t>(ld_i32<2>(ql + 4 * i)) >> shl) & 0x0f0f0f0fu;
+      const uint32_t hi = (static_cast<uint32_t>(ld_i32<2>(qh + 4 * i)) >> shh) & 0x03030303u;
+      w.q[i] = sub_bytes(lo | (hi << 4), 32);
+    }
+  }
+};
+// IQ4_XS: d | scales_h (u16) | scales_l[4] | qs[128]. Part p = sub-block ib.
+template <>
+struct WT<DType::IQ4_XS> {
+  static constexpr int kQK = 256, kBytes = 136, kFam = kFamQ8_K, kDeq = kDeqScale;
+  static constexpr bool kMin = false;
+  __device__ static __forceinline__ void decode(const uint8_t* b, int p, WPart& w) {
+    const uint32_t dh = ld_i32<4>(b);
+    w.d = h2f(dh & 0xffffu);
+    const int lo = (b[4 + p / 2] >> (4 * (p % 2))) & 15;
+    const int hi = ((dh >> 16) >> (2 * p)) & 3;
+    w.sc0 = w.sc1 = (lo | (hi << 4)) - 32;
+    const uint8_t* qs = b + 8 + 16 * p;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t v = ld_i32<4>(qs + 4 * i);
+      w.q[i] = iq4_lookup(v & 0x0f0f0f0fu);
+      w.q[i + 4] = iq4_lookup((v >> 4) & 0x0f0f0f0fu);
+    }
+  }
+};
+
+// The 32 floats of a decoded part, bit-exact with quant::dequantize_row_ref.
+template <DType T>
+__device__ __forceinline__ void deq_part(const WPart& w, float* y) {
+  constexpr int kind = WT<T>::kDeq;
+  float s0 = 0, s1 = 0, m0 = 0, m1 = 0;
+  if constexpr (kind == kDeqScaleMin) {
+    s0 = __fmul_rn(w.d, static_cast<float>(w.sc0));
+    s1 = __fmul_rn(w.d, static_cast<float>(w.sc1));
+    m0 = __fmul_rn(w.m, static_cast<float>(w.mn0));
+    m1 = __fmul_rn(w.m, static_cast<float>(w.mn1));
+  } else if constexpr (kind == kDeqScale) {
+    s0 = __fmul_rn(w.d, static_cast<float>(w.sc0));
+    s1 = __fmul_rn(w.d, static_cast<float>(w.sc1));
+  }
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const float c = static_cast<float>(static_cast<int8_t>((w.q[i / 4] >> (8 * (i % 4))) & 0xff));
+    if constexpr (kind == kDeqMul) {
+      y[i] = __fmul_rn(c, w.d);
+    } else if constexpr (kind == kDeqMulAdd) {
+      y[i] = __fadd_rn(__fmul_rn(c, w.d), w.m);
+    } else if constexpr (kind == kDeqScaleMin) {
+      y[i] = __fsub_rn(__fmul_rn(i < 16 ? s0 : s1, c), i < 16 ? m0 : m1);
+    } else {
+      y[i] = __fmul_rn(i < 16 ? s0 : s1, c);
+    }
+  }
+}
+
+// ================================ activation parts ================================================
+
+struct APart {
+  int a[8];
+  float d, s;
+  int bs0, bs1;
+};
+
+// Part p of block blk of an activation row (same 32 values as the weight part).
+template <int Fam>
+__device__ __forceinline__ void load_act(const uint8_t* row, int64_t blk, int p, APart& x) {
+  if constexpr (Fam == kFamQ8_0) {
+    const uint8_t* b = row + blk * 34;
+    x.d = h2f(ld_u16(b));
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x.a[i] = ld_i32<2>(b + 2 + 4 * i);
+  } else if constexpr (Fam == kFamQ8_1) {
+    const uint8_t* b = row + blk * 36;
+    const uint32_t ds = ld_i32<4>(b);
+    x.d = h2f(ds & 0xffffu);
+    x.s = h2f(ds >> 16);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x.a[i] = ld_i32<4>(b + 4 + 4 * i);
+  } else {
+    const uint8_t* b = row + blk * 292;
+    x.d = *reinterpret_cast<const float*>(b);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x.a[i] = ld_i32<4>(b + 4 + 32 * p + 4 * i);
+    const uint32_t bs = ld_i32<4>(b + 260 + 4 * p);
+    x.bs0 = static_cast<int16_t>(bs & 0xffffu);
+    x.bs1 = static_cast<int16_t>(bs >> 16);
+  }
+}
+
+// Adds one block's contribution (on the lane holding part 0 of the block) to acc. Lanes sharing a
+// super-block first sum their integer partial sums exactly (all lanes of the warp must call this).
+template <DType T>
+__device__ __forceinline__ float block_dot(const WPart& w, const APart& x, int p, bool active, float acc) {
+  using W = WT<T>;
+  constexpr int P = W::kQK / 32;
+  if constexpr (W::kFam == kFamQ8_K) {
+    int s0 = 0, s1 = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s0 = __dp4a(w.q[i], x.a[i], s0);
+#pragma unroll
+    for (int i = 4; i < 8; ++i) s1 = __dp4a(w.q[i], x.a[i], s1);
+    int is = w.sc0 * s0 + w.sc1 * s1;
+    int ms = 0;
+    if constexpr (W::kMin) ms = w.mn0 * x.bs0 + w.mn1 * x.bs1;
+#pragma unroll
+    for (int o = P / 2; o > 0; o >>= 1) {
+      is += __shfl_xor_sync(kFull, is, o);
+      if constexpr (W::kMin) ms += __shfl_xor_sync(kFull, ms, o);
+    }
+    if (active && p == 0) {
+      acc = __fmaf_rn(static_cast<float>(is), __fmul_rn(w.d, x.d), acc);
+      if constexpr (W::kMin) acc = __fmaf_rn(static_cast<float>(-ms), __fmul_rn(w.m, x.d), acc);
+    }
+  } else {
+    static_assert(!W::kMin, "mins are a K-family feature");
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s = __dp4a(w.q[i], x.a[i], s);
+    if (active) {
+      acc = __fmaf_rn(static_cast<float>(s), __fmul_rn(w.d, x.d), acc);
+      if constexpr (W::kFam == kFamQ8_1) acc = __fmaf_rn(w.m, x.s, acc);
+    }
+  }
+  return acc;
+}
+
+// ================================ mat-vec kernels =================================================
+
+struct MvArgs {
+  const uint8_t* w;
+  size_t row_bytes, mat_bytes;
+  int64_t rows, cols;
+  const uint8_t* acts;
+  size_t act_stride;
+  int n_tokens;
+  float* y;
+  int64_t ld_y;
+  const int32_t* ids;      // experts mode (blockIdx.y = slot) when not null
+  const int32_t* slot_of;
+  const int32_t* act_row;
+};
+
+constexpr int kMvWarps = 4;  // warps per CTA; each warp owns R rows
+
+// Resolves the experts-mode slot; false when the slot's matrix is not on the device.
+__device__ __forceinline__ bool mv_slot(const MvArgs& a, const uint8_t*& wm, const uint8_t*& acts, float*& y) {
+  wm = a.w;
+  acts = a.acts;
+  y = a.y;
+  if (a.ids) {
+    const int j = blockIdx.y;
+    const int e = a.ids[j];
+    const int m = a.slot_of ? a.slot_of[e] : e;
+    if (m < 0) return false;
+    wm += static_cast<size_t>(m) * a.mat_bytes;
+    acts += static_cast<size_t>(a.act_row[j]) * a.act_stride;
+    y += static_cast<int64_t>(j) * a.ld_y;
+  }
+  return true;
+}
+
+// Quantized weights: one warp per R rows, lanes over the 32-value parts of the row; every weight part
+// is decoded once and used for all NT (<= NT) tokens.
+template <DType T, int NT, int R>
+__global__ void __launch_bounds__(kMvWarps * 32) mmvq_kernel(const MvArgs a) {
+  using W = WT<T>;
+  constexpr int P = W::kQK / 32;
+  const uint8_t* wm;
+  const uint8_t* acts;
+  float* y;
+  if (!mv_slot(a, wm, acts, y)) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * kMvWarps + warp) * R;
+  if (row0 >= a.rows) return;
+  const int nt = a.n_tokens;
+  const int64_t nparts = a.cols / 32;
+  float acc[R][NT];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[r][t] = 0.0f;
+
+  for (int64_t base = 0; base < nparts; base += 32) {
+    const int64_t part = base + lane;
+    const bool active = part < nparts;
+    const int64_t blk = part / P;
+    const int p = static_cast<int>(part % P);
+    WPart w[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (active && row0 + r < a.rows) {
+        W::decode(wm + (row0 + r) * a.row_bytes + blk * W::kBytes, p, w[r]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[r].q[i] = 0;
+        w[r].d = w[r].m = 0.0f;
+        w[r].sc0 = w[r].sc1 = w[r].mn0 = w[r].mn1 = 0;
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (t < nt) {
+        APart x;
+        if (active) {
+          load_act<W::kFam>(acts + t * a.act_stride, blk, p, x);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) x.a[i] = 0;
+          x.d = x.s = 0.0f;
+          x.bs0 = x.bs1 = 0;
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r][t] = block_dot<T>(w[r], x, p, active, acc[r][t]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (t < nt) {
+        const float v = warp_sum(acc[r][t]);
+        if (lane == 0 && row0 + r < a.rows) y[t * a.ld_y + row0 + r] = v;
+      }
+    }
+  }
+}
+
+// Float weights (F32/F16/BF16 with activations of the same type): one warp per row, lanes over
+// 16-byte vectors (VEC) or single elements.
+template <typename E>
+struct FloatElem;
+template <>
+struct FloatElem<float> {
+  __device__ static __forceinline__ float at(const uint8_t* p, int64_t i) { return reinterpret_cast<const float*>(p)[i]; }
+  __device__ static __forceinline__ void vec(const uint8_t* p, int64_t i, float* out) {
+    const float4 v = reinterpret_cast<const float4*>(p)[i];
+    out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
+  }
+  static constexpr int kVec = 4;
+};
+template <>
+struct FloatElem<__half> {
+  __device__ static __forceinline__ float at(const uint8_t* p, int64_t i) {
+    return h2f(reinterpret_cast<const uint16_t*>(p)[i]);
+  }
+  __device__ static __forceinline__ void vec(const uint8_t* p, int64_t i, float* out) {
+    const uint4 v = reinterpret_cast<const uint4*>(p)[i];
+    const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      out[2 * k] = h2f(u[k] & 0xffffu);
+      out[2 * k + 1] = h2f(u[k] >> 16);
+    }
+  }
+  static constexpr int kVec = 8;
+};
+template <>
+struct FloatElem<__nv_bfloat16> {
+  __device__ static __forceinline__ float at(const uint8_t* p, int64_t i) {
+    return bf2f(reinterpret_cast<const uint16_t*>(p)[i]);
+  }
+  __device__ static __forceinline__ void vec(const uint8_t* p, int64_t i, float* out) {
+    const uint4 v = reinterpret_cast<const uint4*>(p)[i];
+    const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      out[2 * k] = __uint_as_float(u[k] << 16);
+      out[2 * k + 1] = __uint_as_float(u[k] & 0xffff0000u);
+    }
+  }
+  static constexpr int kVec = 8;
+};
+
+template <typename E, int NT, bool VEC>
+__global__ void __launch_bounds__(kMvWarps * 32) mv_float_kernel(const MvArgs a) {
+  using F = FloatElem<E>;
+  const uint8_t* wm;
+  const uint8_t* acts;
+  float* y;
+  if (!mv_slot(a, wm, acts, y)) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kMvWarps + warp;
+  if (row >= a.rows) return;
+  const int nt = a.n_tokens;
+  const int64_t n = a.cols;
+  const uint8_t* wr = wm + row * a.row_bytes;
+  float acc[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+  int64_t done = 0;
+  if constexpr (VEC) {
+    constexpr int V = F::kVec;
+    const int64_t nv = n / V;
+    for (int64_t i = lane; i < nv; i += 32) {
+      float wf[V];
+      F::vec(wr, i, wf);
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        if (t < nt) {
+          float af[V];
+          F::vec(acts + t * a.act_stride, i, af);
+#pragma unroll
+          for (int k = 0; k < V; ++k) acc[t] = __fmaf_rn(wf[k], af[k], acc[t]);
+        }
+      }
+    }
+    done = nv * V;
+  }
+  for (int64_t i = done + lane; i < n; i += 32) {
+    const float wf = F::at(wr, i);
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+      if (t < nt) acc[t] = __fmaf_rn(wf, F::at(acts + t * a.act_stride, i), acc[t]);
+  }
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    if (t < nt) {
+      const float v = warp_sum(acc[t]);
+      if (lane == 0) y[t * a.ld_y + row] = v;
+    }
+  }
+}
+
+template <DType T, int NT>
+void launch_mvq_nt(const MvArgs& a, unsigned n_slots, cudaStream_t s) {
+  constexpr int R = NT == 1 ? 1 : 2;
+  const dim3 grid(blocks_for(a.rows, kMvWarps * R), n_slots);
+  mmvq_kernel<T, NT, R><<<grid, kMvWarps * 32, 0, s>>>(a);
+}
+template <DType T>
+void launch_mvq(const MvArgs& a, unsigned n_slots, cudaStream_t s) {
+  if (a.n_tokens <= 1) launch_mvq_nt<T, 1>(a, n_slots, s);
+  else if (a.n_tokens <= 2) launch_mvq_nt<T, 2>(a, n_slots, s);
+  else if (a.n_tokens <= 4) launch_mvq_nt<T, 4>(a, n_slots, s);
+  else launch_mvq_nt<T, 8>(a, n_slots, s);
+}
+template <typename E, bool VEC>
+void launch_mvf_v(const MvArgs& a, unsigned n_slots, cudaStream_t s) {
+  const dim3 grid(blocks_for(a.rows, kMvWarps), n_slots);
+  if (a.n_tokens <= 1) mv_float_kernel<E, 1, VEC><<<grid, kMvWarps * 32, 0, s>>>(a);
+  else if (a.n_tokens <= 2) mv_float_kernel<E, 2, VEC><<<grid, kMvWarps * 32, 0, s>>>(a);
+  else if (a.n_tokens <= 4) mv_float_kernel<E, 4, VEC><<<grid, kMvWarps * 32, 0, s>>>(a);
+  else mv_float_kernel<E, 8, VEC><<<grid, kMvWarps * 32, 0, s>>>(a);
+}
+template <typename E>
+void launch_mvf(const MvArgs& a, unsigned n_slots, bool vec, cudaStream_t s) {
+  if (vec) launch_mvf_v<E, true>(a, n_slots, s);
+  else launch_mvf_v<E, false>(a, n_slots, s);
+}
+
+// Natural alignment of the type's blocks (the decoders' widest loads).
+int weight_align(DType t) {
+  switch (t) {
+    case DType::Q4_1: case DType::Q5_1: case DType::Q2_K: case DType::Q4_K: case DType::Q5_K: case DType::IQ4_XS:
+      return 4;
+    case DType::F32: return 4;
+    default: return 2;
+  }
+}
+
+void check_weight(const DevMatrix& w, const char* what) {
+  const DTypeInfo* info = dtype_info(static_cast<uint32_t>(w.type));
+  switch (w.type) {
+    case DType::F32: case DType::F16: case DType::BF16: case DType::Q4_0: case DType::Q4_1: case DType::Q5_0:
+    case DType::Q5_1: case DType::Q8_0: case DType::Q2_K: case DType::Q3_K: case DType::Q4_K: case DType::Q5_K:
+    case DType::Q6_K: case DType::IQ4_NL: case DType::IQ4_XS:
+      break;
+    default:
+      fail(std::string(what) + ": unsupported weight type " + (info ? info->name : "?"));
+  }
+  if (w.cols <= 0 || w.rows <= 0) fail(std::string(what) + ": empty matrix");
+  if (w.cols % info->block_size != 0)
+    fail(std::string(what) + ": row length " + std::to_string(w.cols) + " is not a multiple of the " + info->name +
+         " block size");
+  if (w.row_bytes != row_bytes(w.type, w.cols)) fail(std::string(what) + ": row_bytes does not match the type");
+  const size_t al = static_cast<size_t>(weight_align(w.type));
+  if (!aligned(w.data, al) || w.row_bytes % al != 0 || (w.n_mats > 1 && w.mat_bytes % al != 0))
+    fail(std::string(what) + ": " + info->name + " weights must be " + std::to_string(al) + "-byte aligned");
+}
+
+void launch_matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_t ld_y, const int32_t* ids,
+                   const int32_t* slot_of, int n_slots, const int32_t* act_row, cudaStream_t s, const char* what) {
+  check_weight(w, what);
+  const DType act = dtype_info(w.type).act_type;
+  MvArgs a{};
+  a.w = w.data;
+  a.row_bytes = w.row_bytes;
+  a.mat_bytes = w.mat_bytes;
+  a.rows = w.rows;
+  a.cols = w.cols;
+  a.acts = static_cast<const uint8_t*>(acts);
+  a.act_stride = row_bytes(act, w.cols);
+  a.n_tokens = n_tokens;
+  a.y = y;
+  a.ld_y = ld_y;
+  a.ids = ids;
+  a.slot_of = slot_of;
+  a.act_row = act_row;
+  const size_t act_al = (act == DType::Q8_1 || act == DType::Q8_K || act == DType::F32) ? 4 : 2;
+  if (!aligned(acts, act_al)) fail(std::string(what) + ": activations must be " + std::to_string(act_al) + "-byte aligned");
+  const unsigned slots = static_cast<unsigned>(n_slots);
+  const bool vec = aligned(w.data, 16) && w.row_bytes % 16 == 0 && (ids == nullptr || w.mat_bytes % 16 == 0) &&
+                   aligned(acts, 16) && a.act_stride % 16 == 0;
+  switch (w.type) {
+    case DType::F32: launch_mvf<float>(a, slots, vec, s); break;
+    case DType::F16: launch_mvf<__half>(a, slots, vec, s); break;
+    case DType::BF16: launch_mvf<__nv_bfloat16>(a, slots, vec, s); break;
+    case DType::Q4_0: launch_mvq<DType::Q4_0>(a, slots, s); break;
+    case DType::Q4_1: launch_mvq<DType::Q4_1>(a, slots, s); break;
+    case DType::Q5_0: launch_mvq<DType::Q5_0>(a, slots, s); break;
+    case DType::Q5_1: launch_mvq<DType::Q5_1>(a, slots, s); break;
+    case DType::Q8_0: launch_mvq<DType::Q8_0>(a, slots, s); break;
+    case DType::Q2_K: launch_mvq<DType::Q2_K>(a, slots, s); break;
+    case DType::Q3_K: launch_mvq<DType::Q3_K>(a, slots, s); break;
+    case DType::Q4_K: launch_mvq<DType::Q4_K>(a, slots, s); break;
+    case DType::Q5_K: launch_mvq<DType::Q5_K>(a, slots, s); break;
+    case DType::Q6_K: launch_mvq<DType::Q6_K>(a, slots, s); break;
+    case DType::IQ4_NL: launch_mvq<DType::IQ4_NL>(a, slots, s); break;
+    case DType::IQ4_XS: launch_mvq<DType::IQ4_XS>(a, slots, s); break;
+    default: fail(std::string(what) + ": unsupported weight type " + tname(w.type));
+  }
+  launched(what);
+}
+
+// ================================ activation quantizers ===========================================
+
+// Q8_0 / Q8_1: one warp per 32-value block, one value per lane.
+template <bool Q81>
+__global__ void quant_q8_kernel(const float* __restrict__ x, int64_t n, int rows, int64_t ld_x, uint8_t* __restrict__ dst,
+                                size_t stride) {
+  const int64_t nb = n / 32;
+  const int64_t gb = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  if (gb >= nb * rows) return;
+  const int lane = threadIdx.x & 31;
+  const int64_t r = gb / nb, b = gb % nb;
+  const float v = x[r * ld_x + b * 32 + lane];
+  const float amax = warp_max(fabsf(v));
+  const float d = __fdiv_rn(amax, 127.0f);
+  const float id = amax != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+  const int q = __float2int_rn(__fmul_rn(v, id));
+  uint8_t* blk = dst + r * stride + b * (Q81 ? 36 : 34);
+  blk[(Q81 ? 4 : 2) + lane] = static_cast<uint8_t>(static_cast<int8_t>(q));
+  if constexpr (Q81) {
+    const int sum = warp_sum(q);
+    if (lane == 0) {
+      const uint16_t hs = f2h_bits(__fmul_rn(d, static_cast<float>(sum)));
+      blk[2] = static_cast<uint8_t>(hs & 0xff);
+      blk[3] = static_cast<uint8_t>(hs >> 8);
+    }
+  }
+  if (lane == 0) {
+    const uint16_t hd = f2h_bits(d);
+    blk[0] = static_cast<uint8_t>(hd & 0xff);
+    blk[1] = static_cast<uint8_t>(hd >> 8);
+  }
+}
+
+// Q8_K: one warp per 256-value block, 8 consecutive values per lane.
+__global__ void quant_q8k_kernel(const float* __restrict__ x, int64_t n, int rows, int64_t ld_x, uint8_t* __restrict__ dst,
+                                 size_t stride) {
+  const int64_t nb = n / 256;
+  const int64_t gb = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  if (gb >= nb * rows) return;
+  const int lane = threadIdx.x & 31;
+  const int64_t r = gb / nb, b = gb % nb;
+  const float* xb = x + r * ld_x + b * 256 + 8 * lane;
+  float v[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = xb[j];
+  // The value of largest magnitude, the first one on ties (as the reference's strict '>').
+  float amax = 0.0f, mx = 0.0f;
+  int idx = INT_MAX;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float ax = fabsf(v[j]);
+    if (ax > amax) {
+      amax = ax;
+      mx = v[j];
+      idx = 8 * lane + j;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float oa = __shfl_xor_sync(kFull, amax, o);
+    const float om = __shfl_xor_sync(kFull, mx, o);
+    const int oi = __shfl_xor_sync(kFull, idx, o);
+    if (oa > amax || (oa == amax && oi < idx)) {
+      amax = oa;
+      mx = om;
+      idx = oi;
+    }
+  }
+  uint8_t* blk = dst + r * stride + b * 292;
+  uint32_t packed[2] = {0, 0};
+  int s = 0;
+  float d = 0.0f;
+  if (amax != 0.0f) {
+    const float iscale = __fdiv_rn(-127.0f, mx);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int q = min(__float2int_rn(__fmul_rn(iscale, v[j])), 127);
+      s += q;
+      packed[j / 4] |= (static_cast<uint32_t>(q) & 0xffu) << (8 * (j % 4));
+    }
+    d = __fdiv_rn(1.0f, iscale);
+  }
+  reinterpret_cast<uint32_t*>(blk + 4 + 8 * lane)[0] = packed[0];
+  reinterpret_cast<uint32_t*>(blk + 4 + 8 * lane)[1] = packed[1];
+  const int bs = s + __shfl_xor_sync(kFull, s, 1);
+  if ((lane & 1) == 0) reinterpret_cast<int16_t*>(blk + 260)[lane / 2] = static_cast<int16_t>(bs);
+  if (lane == 0) *reinterpret_cast<float*>(blk) = d;
+}
+
+// F32 -> F16 / BF16 / F32 rows (mode 0: f16, 1: bf16, 2: f32 copy).
+template <int Mode>
+__global__ void convert_rows_kernel(const float* __restrict__ x, int64_t n, int rows, int64_t ld_x, void* __restrict__ dst,
+                                    int64_t ld_dst) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int r = blockIdx.y;
+  if (i >= n || r >= rows) return;
+  const float v = x[r * ld_x + i];
+  if constexpr (Mode == 0) {
+    static_cast<uint16_t*>(dst)[r * ld_dst + i] = f2h_bits(v);
+  } else if constexpr (Mode == 1) {
+    static_cast<uint16_t*>(dst)[r * ld_dst + i] = f2bf_bits(v);
+  } else {
+    static_cast<float*>(dst)[r * ld_dst + i] = v;
+  }
+}
+
+template <int Mode>
+void launch_convert(const float* x, int64_t n, int rows, int64_t ld_x, void* dst, int64_t ld_dst, cudaStream_t s) {
+  // rows go in grid.y (<= 65535 per launch)
+  for (int r0 = 0; r0 < rows; r0 += 65535) {
+    const int nr = std::min(65535, rows - r0);
+    void* d = Mode == 2 ? static_cast<void*>(static_cast<float*>(dst) + r0 * ld_dst)
+                        : static_cast<void*>(static_cast<uint16_t*>(dst) + r0 * ld_dst);
+    convert_rows_kernel<Mode><<<dim3(blocks_for(n, 256), nr), 256, 0, s>>>(x + r0 * ld_x, n, nr, ld_x, d, ld_dst);
+  }
+}
+
+// ================================ dequantization (embeddings, prefill) ============================
+
+// Rows [0, n_rows) of the output from table rows ids[r] (or r): one thread per 32-value part.
+template <DType T, typename Out>
+__global__ void dequant_kernel(const uint8_t* __restrict__ base, size_t row_bytes, int64_t n_rows, int64_t cols,
+                               const int32_t* __restrict__ ids, int64_t table_rows, Out* __restrict__ out, int64_t ld_out) {
+  using W = WT<T>;
+  constexpr int P = W::kQK / 32;
+  const int64_t nparts = cols / 32;
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (g >= n_rows * nparts) return;
+  const int64_t r = g / nparts, part = g % nparts;
+  int64_t src = r;
+  if (ids) {
+    src = ids[r];
+    if (src < 0 || src >= table_rows) return;
+  }
+  WPart w;
+  W::decode(base + src * row_bytes + (part / P) * W::kBytes, static_cast<int>(part % P), w);
+  float v[32];
+  deq_part<T>(w, v);
+  Out* o = out + r * ld_out + part * 32;
+  if constexpr (sizeof(Out) == 2) {
+    // f16 scratch of our own (16-byte aligned rows): four 16-byte stores
+    uint32_t h[16];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) h[k] = f2h_bits(v[2 * k]) | (static_cast<uint32_t>(f2h_bits(v[2 * k + 1])) << 16);
+    uint4* o4 = reinterpret_cast<uint4*>(o);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) o4[k] = make_uint4(h[4 * k], h[4 * k + 1], h[4 * k + 2], h[4 * k + 3]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 32; ++k) o[k] = v[k];
+  }
+}
+
+template <typename E>
+__global__ void embed_float_kernel(const uint8_t* __restrict__ base, size_t row_bytes, int64_t cols,
+                                   const int32_t* __restrict__ ids, int64_t table_rows, float* __restrict__ out) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int r = blockIdx.y;
+  if (i >= cols) return;
+  const int64_t src = ids[r];
+  if (src < 0 || src >= table_rows) return;
+  out[r * cols + i] = FloatElem<E>::at(base + src * row_bytes, i);
+}
+
+template <DType T, typename Out>
+void launch_dequant_t(const uint8_t* base, size_t rb, int64_t n_rows, int64_t cols, const int32_t* ids, int64_t table_rows,
+                      Out* out, int64_t ld_out, cudaStream_t s) {
+  const int64_t threads = n_rows * (cols / 32);
+  dequant_kernel<T, Out><<<blocks_for(threads, 256), 256, 0, s>>>(base, rb, n_rows, cols, ids, table_rows, out, ld_out);
+}
+template <typename Out>
+void launch_dequant(DType t, const uint8_t* base, size_t rb, int64_t n_rows, int64_t cols, const int32_t* ids,
+                    int64_t table_rows, Out* out, int64_t ld_out, cudaStream_t s) {
+  switch (t) {
+#define FITMOE_DQ(X) \
+  case DType::X: launch_dequant_t<DType::X, Out>(base, rb, n_rows, cols, ids, table_rows, out, ld_out, s); break;
+    FITMOE_DQ(Q4_0) FITMOE_DQ(Q4_1) FITMOE_DQ(Q5_0) FITMOE_DQ(Q5_1) FITMOE_DQ(Q8_0) FITMOE_DQ(Q2_K) FITMOE_DQ(Q3_K)
+    FITMOE_DQ(Q4_K) FITMOE_DQ(Q5_K) FITMOE_DQ(Q6_K) FITMOE_DQ(IQ4_NL) FITMOE_DQ(IQ4_XS)
+#undef FITMOE_DQ
+    default: fail(std::string("dequantize: unsupported type ") + tname(t));
+  }
+}
+
+bool is_float_type(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
+
+// ================================ cuBLAS ==========================================================
+
+// One handle per host thread, created on first use and deliberately never destroyed (destroying it at
+// thread or process exit can race the CUDA runtime's own teardown).
+cublasHandle_t blas_handle() {
+  thread_local cublasHandle_t h = nullptr;
+  if (!h) {
+    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) fail("cublasCreate failed");
+    cublasSetMathMode(h, CUBLAS_DEFAULT_MATH);
+  }
+  return h;
+}
+void blas_ok(cublasStatus_t st, const char* what) {
+  if (st != CUBLAS_STATUS_SUCCESS) fail(std::string("cuBLAS error in ") + what + ": " + cublasGetStatusString(st));
+}
+
+// Rows of the dequantized f16 weight tile: whole matrices up to 64 MiB, larger ones in row tiles.
+constexpr size_t kDequantTileBytes = size_t(64) << 20;
+int64_t tile_rows(const DevMatrix& w) {
+  const int64_t per_row = w.cols * 2;
+  return std::max<int64_t>(1, std::min<int64_t>(w.rows, static_cast<int64_t>(kDequantTileBytes) / per_row));
+}
+
+// ================================ norms, elementwise ==============================================
+
+__global__ void rms_norm_kernel(const float* x, const float* __restrict__ w, float* y, int n, float eps, int64_t ld_x,
+                                int64_t ld_y) {
+  __shared__ double part[32];
+  const int r = blockIdx.x, tid = threadIdx.x;
+  const float* xr = x + r * ld_x;
+  float* yr = y + r * ld_y;
+  double s = 0;
+  for (int i = tid; i < n; i += blockDim.x) {
+    const float v = xr[i];
+    s += static_cast<double>(__fmul_rn(v, v));
+  }
+  s = warp_sum(s);
+  if ((tid & 31) == 0) part[tid >> 5] = s;
+  __syncthreads();
+  if (tid < 32) {
+    double t = tid < static_cast<int>(blockDim.x >> 5) ? part[tid] : 0.0;
+    t = warp_sum(t);
+    if (tid == 0) part[0] = t;
+  }
+  __syncthreads();
+  const double sum = part[0];
+  const float ms = static_cast<float>(__dadd_rn(__ddiv_rn(sum, static_cast<double>(n)), static_cast<double>(eps)));
+  const float scale = __fdiv_rn(1.0f, __fsqrt_rn(ms));
+  for (int i = tid; i < n; i += blockDim.x) {
+    const float v = __fmul_rn(xr[i], scale);
+    yr[i] = w ? __fmul_rn(v, w[i]) : v;
+  }
+}
+
+__global__ void add_kernel(float* x, const float* __restrict__ y, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) x[i] = __fadd_rn(x[i], y[i]);
+}
+
+__global__ void swiglu_kernel(const float* gate, const float* up, float* out, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float g = gate[i];
+  out[i] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), up[i]);
+}
+
+// One CTA per token: the angle table by repeated multiplication (thread 0, as the reference), the
+// cos/sin in double (correctly rounded to float in all but astronomically rare cases, like glibc),
+// then every head's pairs.
+__global__ void rope_neox_kernel(float* x, int n_heads, int head_dim, int64_t ld, int n_rot, const int32_t* pos,
+                                 float theta_scale, float freq_scale) {
+  extern __shared__ float tab[];  // [half] cos, [half] sin
+  const int t = blockIdx.x, half = n_rot / 2;
+  if (threadIdx.x == 0) {
+    float theta = static_cast<float>(pos[t]);
+    for (int i = 0; i < half; ++i) {
+      tab[i] = __fmul_rn(freq_scale, theta);
+      theta = __fmul_rn(theta, theta_scale);
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    double sn, cn;
+    sincos(static_cast<double>(tab[i]), &sn, &cn);
+    tab[i] = static_cast<float>(cn);
+    tab[half + i] = static_cast<float>(sn);
+  }
+  __syncthreads();
+  float* xt = x + t * ld;
+  for (int k = threadIdx.x; k < n_heads * half; k += blockDim.x) {
+    const int h = k / half, i = k % half;
+    float* v = xt + static_cast<int64_t>(h) * head_dim;
+    const float x0 = v[i], x1 = v[i + half];
+    const float c = tab[i], s = tab[half + i];
+    v[i] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+    v[i + half] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+  }
+}
+
+__global__ void copy_rows_kernel(const float* __restrict__ src, int64_t ld_src, const int32_t* __restrict__ src_rows,
+                                 float* __restrict__ dst, int64_t ld_dst, const int32_t* __restrict__ dst_rows, int width) {
+  const int i = blockIdx.y;
+  const int64_t sr = src_rows ? src_rows[i] : i, dr = dst_rows ? dst_rows[i] : i;
+  for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < width; c += gridDim.x * blockDim.x)
+    dst[dr * ld_dst + c] = src[sr * ld_src + c];
+}
+
+// ================================ KV cache ========================================================
+
+template <typename T>
+__device__ __forceinline__ T to_cache(float v);
+template <>
+__device__ __forceinline__ __half to_cache<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ float to_cache<float>(float v) { return v; }
+__device__ __forceinline__ float from_cache(__half v) { return __half2float(v); }
+__device__ __forceinline__ float from_cache(float v) { return v; }
+// Rounds a float to the cache type and back (the reference's "Q / P in the cache type").
+template <typename T>
+__device__ __forceinline__ float round_cache(float v) { return from_cache(to_cache<T>(v)); }
+
+template <typename T>
+__global__ void kv_store_k_kernel(T* __restrict__ k, const int32_t* __restrict__ pos, const float* __restrict__ src,
+                                  int64_t ld, int width) {
+  const int t = blockIdx.y;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= width) return;
+  k[static_cast<int64_t>(pos[t]) * width + i] = to_cache<T>(src[t * ld + i]);
+}
+// V transposed: threads along tokens so that consecutive positions are written together.
+template <typename T>
+__global__ void kv_store_v_kernel(T* __restrict__ v, const int32_t* __restrict__ pos, const float* __restrict__ src,
+                                  int64_t ld, int width, int n_tokens, int n_ctx) {
+  const int t = blockIdx.x * 32 + threadIdx.x;
+  const int i = blockIdx.y * 8 + threadIdx.y;
+  if (t >= n_tokens || i >= width) return;
+  v[static_cast<int64_t>(i) * n_ctx + pos[t]] = to_cache<T>(src[t * ld + i]);
+}
+
+// ================================ attention =======================================================
+
+struct AttnArgs {
+  const float* q;
+  int64_t ld_q;
+  const uint8_t* k;
+  const uint8_t* v;
+  int n_ctx;
+  int pos0;
+  const int32_t* pos_dev;
+  int n_tokens, n_head, n_head_kv, group, hd, hdp, hdv;
+  float scale;
+  float* out;
+  int64_t ld_out;
+  // decode (split-K) only
+  int keys_max, L, n_splits;
+  float* S;       // [n_tokens][n_head][keys_max] scaled scores
+  float* st_m;    // [n_tokens][n_head][n_splits] split maxima
+  double* st_l;   // [n_tokens][n_head][n_splits] sum of exp(s - split max)
+  float* opart;   // [n_tokens][n_head][n_splits][hdv] unnormalised-free partial outputs (P already final)
+  bool v_vec;     // V rows can be read in 16-byte vectors
+};
+
+constexpr int kDecodeMaxTokens = 8;    // attention with at most this many queries uses split-K
+constexpr int kMaxSplits = 128;
+constexpr int kDecThreads = 128;
+
+__device__ __forceinline__ int attn_pos0(const AttnArgs& a) { return a.pos_dev ? a.pos_dev[0] : a.pos0; }
+
+template <typename T>
+__device__ __forceinline__ float2 ld_pair(const T* p);
+template <>
+__device__ __forceinline__ float2 ld_pair<__half>(const __half* p) {
+  return __half22float2(*reinterpret_cast<const __half2*>(p));
+}
+template <>
+__device__ __forceinline__ float2 ld_pair<float>(const float* p) {
+  return *reinterpret_cast<const float2*>(p);
+}
+
+// Decode pass 1: scores of the group's query heads against the split's keys, in the canonical order
+// of the reference's f16/f32 dot product: 16 lanes (lane i takes elements i, i+16, ...) with fma,
+// then folded 16 -> 8 -> 4 -> 2 -> 1. Four threads share a key; thread c holds the lanes 2c, 2c+1,
+// 2c+8, 2c+9. Then the split's max and sum of exp(s - max) per head.
+template <typename T, int MAXM>
+__global__ void __launch_bounds__(kDecThreads) attn_dec_scores_kernel(const AttnArgs a) {
+  extern __shared__ float qs[];  // [group][hdp]
+  const int sp = blockIdx.x, g = blockIdx.y, t = blockIdx.z, tid = threadIdx.x;
+  const int nvis = min(attn_pos0(a) + t + 1, a.keys_max);
+  const int k0 = sp * a.L, k1 = min(k0 + a.L, nvis);
+  const int hb = g * a.group;
+  const size_t st0 = (static_cast<size_t>(t) * a.n_head + hb) * a.n_splits + sp;
+  if (k0 >= nvis) {
+    for (int h = tid; h < a.group; h += blockDim.x) {
+      a.st_m[st0 + static_cast<size_t>(h) * a.n_splits] = -INFINITY;
+      a.st_l[st0 + static_cast<size_t>(h) * a.n_splits] = 0.0;
+    }
+    return;
+  }
+  for (int idx = tid; idx < a.group * a.hdp; idx += blockDim.x) {
+    const int h = idx / a.hdp, e = idx % a.hdp;
+    qs[idx] = e < a.hd ? round_cache<T>(a.q[t * a.ld_q + static_cast<int64_t>(hb + h) * a.hd + e]) : 0.0f;
+  }
+  __syncthreads();
+  const int c = tid & 3, kq = tid >> 2;
+  const int nm = a.hdp / 16;
+  const size_t krow = static_cast<size_t>(a.n_head_kv) * a.hd;
+  const T* kbase = reinterpret_cast<const T*>(a.k) + static_cast<size_t>(g) * a.hd;
+  float* srow = a.S + (static_cast<size_t>(t) * a.n_head + hb) * a.keys_max;
+  const int nk = k1 - k0, nk32 = (nk + 31) & ~31;
+  for (int jj = kq; jj < nk32; jj += kDecThreads / 4) {
+    const int j = k0 + jj;
+    const bool valid = jj < nk;
+    const T* kr = kbase + static_cast<size_t>(valid ? j : k0) * krow;
+    float2 kv[MAXM][2];
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m) {
+      const int e0 = 16 * m + 2 * c, e1 = e0 + 8;
+      kv[m][0] = (m < nm && valid && e0 < a.hd) ? ld_pair<T>(kr + e0) : make_float2(0.0f, 0.0f);
+      kv[m][1] = (m < nm && valid && e1 < a.hd) ? ld_pair<T>(kr + e1) : make_float2(0.0f, 0.0f);
+    }
+    for (int h = 0; h < a.group; ++h) {
+      const float* qh = qs + h * a.hdp + 2 * c;
+      float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma unroll
+      for (int m = 0; m < MAXM; ++m) {
+        if (m < nm) {
+          const float2 q0 = *reinterpret_cast<const float2*>(qh + 16 * m);
+          const float2 q1 = *reinterpret_cast<const float2*>(qh + 16 * m + 8);
+          a0 = __fmaf_rn(kv[m][0].x, q0.x, a0);
+          a1 = __fmaf_rn(kv[m][0].y, q0.y, a1);
+          a2 = __fmaf_rn(kv[m][1].x, q1.x, a2);
+          a3 = __fmaf_rn(kv[m][1].y, q1.y, a3);
+        }
+      }
+      float u0 = __fadd_rn(a0, a2), u1 = __fadd_rn(a1, a3);      // 16 -> 8
+      u0 = __fadd_rn(u0, __shfl_xor_sync(kFull, u0, 2));          // 8 -> 4
+      u1 = __fadd_rn(u1, __shfl_xor_sync(kFull, u1, 2));
+      u0 = __fadd_rn(u0, __shfl_xor_sync(kFull, u0, 1));          // 4 -> 2
+      u1 = __fadd_rn(u1, __shfl_xor_sync(kFull, u1, 1));
+      const float s = __fmul_rn(__fadd_rn(u0, u1), a.scale);      // 2 -> 1, then * scale
+      if (valid && c == 0) srow[static_cast<size_t>(h) * a.keys_max + j] = s;
+    }
+  }
+  __syncthreads();
+  const int warp = tid >> 5, lane = tid & 31;
+  for (int h = warp; h < a.group; h += kDecThreads / 32) {
+    const float* s = srow + static_cast<size_t>(h) * a.keys_max;
+    float mx = -INFINITY;
+    for (int i = k0 + lane; i < k1; i += 32) mx = fmaxf(mx, s[i]);
+    mx = warp_max(mx);
+    double l = 0.0;
+    for (int i = k0 + lane; i < k1; i += 32) l += static_cast<double>(expf(__fsub_rn(s[i], mx)));
+    l = warp_sum(l);
+    if (lane == 0) {
+      a.st_m[st0 + static_cast<size_t>(h) * a.n_splits] = mx;
+      a.st_l[st0 + static_cast<size_t>(h) * a.n_splits] = l;
+    }
+  }
+}
+
+// Decode pass 2: the global max and sum from the splits' statistics, P = cache_type(exp(s - max) / sum)
+// for the split's keys, and the split's partial V^T.P (or the output itself with one split).
+template <typename T>
+__global__ void __launch_bounds__(kDecThreads) attn_dec_pv_kernel(const AttnArgs a) {
+  extern __shared__ float P[];  // [group][L]
+  const int sp = blockIdx.x, g = blockIdx.y, t = blockIdx.z, tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int nvis = min(attn_pos0(a) + t + 1, a.keys_max);
+  const int k0 = sp * a.L, k1 = min(k0 + a.L, nvis);
+  if (k0 >= nvis) return;
+  const int n_act = min((nvis + a.L - 1) / a.L, a.n_splits);
+  const int hb = g * a.group;
+  for (int h = warp; h < a.group; h += kDecThreads / 32) {
+    const size_t sb = (static_cast<size_t>(t) * a.n_head + hb + h) * a.n_splits;
+    float M = -INFINITY;
+    for (int i = lane; i < n_act; i += 32) M = fmaxf(M, a.st_m[sb + i]);
+    M = warp_max(M);
+    double tot = 0.0;
+    for (int i = lane; i < n_act; i += 32) {
+      const double l = a.st_l[sb + i];
+      if (l > 0.0) tot += l * exp(static_cast<double>(a.st_m[sb + i]) - static_cast<double>(M));
+    }
+    tot = warp_sum(tot);
+    const float inv = static_cast<float>(1.0 / tot);
+    const float* s = a.S + (static_cast<size_t>(t) * a.n_head + hb + h) * a.keys_max;
+    for (int i = lane; i < a.L; i += 32) {
+      const int j = k0 + i;
+      P[h * a.L + i] = j < k1 ? round_cache<T>(__fmul_rn(expf(__fsub_rn(s[j], M)), inv)) : 0.0f;
+    }
+  }
+  __syncthreads();
+  constexpr int E = 16 / sizeof(T);
+  const int len = k1 - k0;
+  const T* vbase = reinterpret_cast<const T*>(a.v) + static_cast<size_t>(g) * a.hdv * a.n_ctx + k0;
+  // Each warp takes 4 rows of V^T at a time (loads of all four in flight together), 4 heads at a time.
+  for (int d0 = warp * 4; d0 < a.hdv; d0 += 4 * (kDecThreads / 32)) {
+    for (int hc = 0; hc < a.group; hc += 4) {
+      float acc[4][4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int h = 0; h < 4; ++h) acc[r][h] = 0.0f;
+      for (int i0 = lane * E; i0 < len; i0 += 32 * E) {
+        float vv[4][E];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int d = d0 + r;
+          const T* vr = vbase + static_cast<size_t>(d < a.hdv ? d : 0) * a.n_ctx + i0;
+          if (d < a.hdv && a.v_vec && i0 + E <= len) {
+            const uint4 raw = *reinterpret_cast<const uint4*>(vr);
+            const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+            for (int k = 0; k < E; ++k) vv[r][k] = from_cache(e[k]);
+          } else {
+#pragma unroll
+            for (int k = 0; k < E; ++k) vv[r][k] = (d < a.hdv && i0 + k < len) ? from_cache(vr[k]) : 0.0f;
+          }
+        }
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+          if (hc + h < a.group) {
+            const float* ph = P + (hc + h) * a.L + i0;
+#pragma unroll
+            for (int k = 0; k < E; ++k) {
+              const float pk = ph[k];
+#pragma unroll
+              for (int r = 0; r < 4; ++r) acc[r][h] = __fmaf_rn(vv[r][k], pk, acc[r][h]);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+          const float v = warp_sum(acc[r][h]);
+          const int d = d0 + r, head = hb + hc + h;
+          if (lane == 0 && d < a.hdv && hc + h < a.group) {
+            if (a.n_splits == 1) {
+              a.out[t * a.ld_out + static_cast<int64_t>(head) * a.hdv + d] = v;
+            } else {
+              a.opart[((static_cast<size_t>(t) * a.n_head + head) * a.n_splits + sp) * a.hdv + d] = v;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Decode pass 3: out = sum of the active splits' partial outputs, in split order.
+__global__ void attn_dec_combine_kernel(const AttnArgs a) {
+  const int h = blockIdx.x, t = blockIdx.y;
+  const int nvis = min(attn_pos0(a) + t + 1, a.keys_max);
+  const int n_act = min((nvis + a.L - 1) / a.L, a.n_splits);
+  const float* src = a.opart + (static_cast<size_t>(t) * a.n_head + h) * a.n_splits * a.hdv;
+  for (int d = threadIdx.x; d < a.hdv; d += blockDim.x) {
+    float o = 0.0f;
+    for (int i = 0; i < n_act; ++i) o = __fadd_rn(o, src[static_cast<size_t>(i) * a.hdv + d]);
+    a.out[t * a.ld_out + static_cast<int64_t>(h) * a.hdv + d] = o;
+  }
+}
+
+// Prefill: one CTA per (32 query rows, kv head); query rows are (token, head of the group) pairs.
+// Pass 1 streams the keys once for the rows' max and sum (online, the sum in double); pass 2 streams
+// them again for P = cache_type(exp(s - max) / sum) and O += P V. Scores use the canonical order:
+// the Q and K tiles sit in shared memory permuted so that thread c of a quad reads the lanes c, c+4,
+// c+8, c+12 of 16 consecutive elements as one float4.
+constexpr int kPTQ = 32, kPTK = 32, kPThreads = 256;
+constexpr int kPST = kPTK + 4;  // P and V^T tile row stride (floats)
+
+__device__ __forceinline__ int perm16(int e) { return (e & ~15) | ((e & 3) << 2) | ((e >> 2) & 3); }
+
+struct PrefillSmem {
+  int qst, kv_floats;
+  __host__ __device__ static size_t floats_for(int hdp, int hdv, int* qst_out, int* kv_out) {
+    const int qst = hdp + 4;
+    const int kvf = kPTK * qst > hdv * kPST ? kPTK * qst : hdv * kPST;
+    if (qst_out) *qst_out = qst;
+    if (kv_out) *kv_out = kvf;
+    // Q, K/V, P, max, inv, (pad), sum (double)
+    return static_cast<size_t>(kPTQ) * qst + kvf + kPTQ * kPST + 2 * kPTQ + 2 * kPTQ + 2;
+  }
+};
+
+template <typename T, int MAXND>
+__global__ void __launch_bounds__(kPThreads, 2) attn_prefill_kernel(const AttnArgs a) {
+  extern __shared__ float sm[];
+  int QST, KVF;
+  PrefillSmem::floats_for(a.hdp, a.hdv, &QST, &KVF);
+  float* Qs = sm;
+  float* KV = Qs + kPTQ * QST;
+  float* Ps = KV + KVF;
+  float* Mr = Ps + kPTQ * kPST;
+  float* Ir = Mr + kPTQ;
+  double* Lr = reinterpret_cast<double*>(Ir + kPTQ + ((reinterpret_cast<uintptr_t>(Ir + kPTQ) & 7) ? 1 : 0));
+
+  const int g = blockIdx.y, r0 = blockIdx.x * kPTQ, tid = threadIdx.x;
+  const int R = a.n_tokens * a.group;
+  const int p0 = attn_pos0(a);
+  const int r_last = min(r0 + kPTQ, R) - 1;
+  const int kend = p0 + r_last / a.group + 1;  // keys the tile's last row sees
+  const int hd = a.hd, hdp = a.hdp, hdv = a.hdv;
+  const size_t krow = static_cast<size_t>(a.n_head_kv) * hd;
+  const T* kbase = reinterpret_cast<const T*>(a.k) + static_cast<size_t>(g) * hd;
+  const T* vbase = reinterpret_cast<const T*>(a.v) + static_cast<size_t>(g) * hdv * a.n_ctx;
+
+  for (int idx = tid; idx < kPTQ * hdp; idx += kPThreads) {
+    const int r = idx / hdp, e = idx % hdp;
+    const int rr = r0 + r;
+    float v = 0.0f;
+    if (rr < R && e < hd) {
+      const int t = rr / a.group, h = g * a.group + rr % a.group;
+      v = round_cache<T>(a.q[t * a.ld_q + static_cast<int64_t>(h) * hd + e]);
+    }
+    Qs[r * QST + perm16(e)] = v;
+  }
+  if (tid < kPTQ) {
+    Mr[tid] = -INFINITY;
+    Lr[tid] = 0.0;
+  }
+
+  // score micro-tile of this thread: rows 4*qg.., keys 4*kg.., lanes quad c
+  const int c = tid & 3, warp = tid >> 5, lg = (tid >> 2) & 7;
+  const int qg = 2 * (warp >> 1) + (lg >> 2), kg = 4 * (warp & 1) + (lg & 3);
+  const int nm = hdp / 16;
+
+  auto load_k_tile = [&](int kt0) {
+    for (int idx = tid; idx < kPTK * hdp; idx += kPThreads) {
+      const int kk = idx / hdp, e = idx % hdp;
+      const int j = kt0 + kk;
+      KV[kk * QST + perm16(e)] = (j < kend && e < hd) ? from_cache(kbase[static_cast<size_t>(j) * krow + e]) : 0.0f;
+    }
+  };
+  // The 4x4 scores (already * scale) of the micro-tile; identical in the four threads of the quad.
+  auto scores = [&](float (&sc)[4][4]) {
+    float acc[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int s = 0; s < 4; ++s) acc[i][j][s] = 0.0f;
+    for (int m = 0; m < nm; ++m) {
+      float4 qv[4], kv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) qv[i] = *reinterpret_cast<const float4*>(Qs + (4 * qg + i) * QST + 16 * m + 4 * c);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) kv[j] = *reinterpret_cast<const float4*>(KV + (4 * kg + j) * QST + 16 * m + 4 * c);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          acc[i][j][0] = __fmaf_rn(kv[j].x, qv[i].x, acc[i][j][0]);
+          acc[i][j][1] = __fmaf_rn(kv[j].y, qv[i].y, acc[i][j][1]);
+          acc[i][j][2] = __fmaf_rn(kv[j].z, qv[i].z, acc[i][j][2]);
+          acc[i][j][3] = __fmaf_rn(kv[j].w, qv[i].w, acc[i][j][3]);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        // acc[s] is canonical lane c + 4s: 16 -> 8 -> 4 in registers, 4 -> 2 -> 1 across the quad
+        float v = __fadd_rn(__fadd_rn(acc[i][j][0], acc[i][j][2]), __fadd_rn(acc[i][j][1], acc[i][j][3]));
+        v = __fadd_rn(v, __shfl_xor_sync(kFull, v, 2));
+        v = __fadd_rn(v, __shfl_xor_sync(kFull, v, 1));
+        sc[i][j] = __fmul_rn(v, a.scale);
+      }
+  };
+  auto visible = [&](int r, int j) {
+    const int rr = r0 + r;
+    return rr < R && j < kend && j <= p0 + rr / a.group;
+  };
+  auto row_c = [&](const float (&sc)[4][4], int j) {
+    return c == 0 ? sc[0][j] : c == 1 ? sc[1][j] : c == 2 ? sc[2][j] : sc[3][j];
+  };
+  __syncthreads();
+
+  // ---- pass 1: row max and sum ----
+  for (int kt0 = 0; kt0 < kend; kt0 += kPTK) {
+    load_k_tile(kt0);
+    __syncthreads();
+    float sc[4][4];
+    scores(sc);
+    {
+      const int r = 4 * qg + c;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int kk = 4 * kg + j;
+        Ps[r * kPST + kk] = visible(r, kt0 + kk) ? row_c(sc, j) : -INFINITY;
+      }
+    }
+    __syncthreads();
+    for (int i = 0; i < 4; ++i) {
+      const int r = 4 * warp + i;
+      const int lane = tid & 31;
+      const float s = Ps[r * kPST + lane];
+      const float mold = Mr[r];
+      const float mnew = fmaxf(mold, warp_max(s));
+      if (mnew == -INFINITY) continue;
+      const double e = s == -INFINITY ? 0.0 : static_cast<double>(expf(__fsub_rn(s, mnew)));
+      const double ls = warp_sum(e);
+      if (lane == 0) {
+        Lr[r] = (mold == -INFINITY ? 0.0 : Lr[r] * exp(static_cast<double>(mold) - static_cast<double>(mnew))) + ls;
+        Mr[r] = mnew;
+      }
+    }
+    __syncthreads();
+  }
+  if (tid < kPTQ) Ir[tid] = Lr[tid] > 0.0 ? static_cast<float>(1.0 / Lr[tid]) : 0.0f;
+  __syncthreads();
+
+  // ---- pass 2: P and O ----
+  const int rg = tid & 7, dl = tid >> 3;  // O rows rg + 8*i, columns dl + 32*n
+  float O[4][MAXND];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int n = 0; n < MAXND; ++n) O[i][n] = 0.0f;
+  for (int kt0 = 0; kt0 < kend; kt0 += kPTK) {
+    load_k_tile(kt0);
+    __syncthreads();
+    float sc[4][4];
+    scores(sc);
+    {
+      const int r = 4 * qg + c;
+      const float M = Mr[r], inv = Ir[r];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int kk = 4 * kg + j;
+        Ps[r * kPST + kk] = visible(r, kt0 + kk) ? round_cache<T>(__fmul_rn(expf(__fsub_rn(row_c(sc, j), M)), inv)) : 0.0f;
+      }
+    }
+    __syncthreads();
+    for (int idx = tid; idx < hdv * kPTK; idx += kPThreads) {
+      const int d = idx / kPTK, kk = idx % kPTK;
+      const int j = kt0 + kk;
+      KV[d * kPST + kk] = j < kend ? from_cache(vbase[static_cast<size_t>(d) * a.n_ctx + j]) : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kPTK; kk += 4) {
+      float4 pv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pv[i] = *reinterpret_cast<const float4*>(Ps + (rg + 8 * i) * kPST + kk);
+#pragma unroll
+      for (int n = 0; n < MAXND; ++n) {
+        const int d = dl + 32 * n;
+        if (d < hdv) {
+          const float4 vv = *reinterpret_cast<const float4*>(KV + d * kPST + kk);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            O[i][n] = __fmaf_rn(pv[i].x, vv.x, O[i][n]);
+            O[i][n] = __fmaf_rn(pv[i].y, vv.y, O[i][n]);
+            O[i][n] = __fmaf_rn(pv[i].z, vv.z, O[i][n]);
+            O[i][n] = __fmaf_rn(pv[i].w, vv.w, O[i][n]);
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int rr = r0 + rg + 8 * i;
+    if (rr >= R) continue;
+    const int t = rr / a.group, h = g * a.group + rr % a.group;
+    float* o = a.out + t * a.ld_out + static_cast<int64_t>(h) * hdv;
+#pragma unroll
+    for (int n = 0; n < MAXND; ++n) {
+      const int d = dl + 32 * n;
+      if (d < hdv) o[d] = O[i][n];
+    }
+  }
+}
+
+struct DecodeLayout {
+  int keys_max, L, n_splits;
+  size_t off_m, off_l, off_o, total;
+};
+DecodeLayout decode_layout(int n_tokens, int keys_max, int n_head, int hdv) {
+  DecodeLayout d{};
+  d.keys_max = std::max(keys_max, 1);
+  const int per = (d.keys_max + kMaxSplits - 1) / kMaxSplits;
+  d.L = std::max(64, (per + 31) / 32 * 32);
+  d.n_splits = (d.keys_max + d.L - 1) / d.L;
+  const size_t rows = static_cast<size_t>(n_tokens) * n_head;
+  d.off_m = align256(rows * d.keys_max * sizeof(float));
+  d.off_l = d.off_m + align256(rows * kMaxSplits * sizeof(float));
+  d.off_o = d.off_l + align256(rows * kMaxSplits * sizeof(double));
+  d.total = d.off_o + align256(rows * kMaxSplits * static_cast<size_t>(hdv) * sizeof(float));
+  return d;
+}
+
+template <typename T>
+void launch_attention(AttnArgs& a, void* scratch, size_t scratch_bytes, cudaStream_t s) {
+  if (a.n_tokens <= kDecodeMaxTokens) {
+    const DecodeLayout d = decode_layout(a.n_tokens, a.keys_max, a.n_head, a.hdv);
+    if (!scratch || scratch_bytes < d.total)
+      fail("attention: scratch of " + std::to_string(scratch_bytes) + " bytes, needs " + std::to_string(d.total));
+    uint8_t* base = static_cast<uint8_t*>(scratch);
+    a.L = d.L;
+    a.n_splits = d.n_splits;
+    a.S = reinterpret_cast<float*>(base);
+    a.st_m = reinterpret_cast<float*>(base + d.off_m);
+    a.st_l = reinterpret_cast<double*>(base + d.off_l);
+    a.opart = reinterpret_cast<float*>(base + d.off_o);
+    a.v_vec = aligned(a.v, 16) && (a.n_ctx * sizeof(T)) % 16 == 0;
+    const dim3 grid(d.n_splits, a.n_head_kv, a.n_tokens);
+    const size_t smem1 = static_cast<size_t>(a.group) * a.hdp * sizeof(float);
+    if (a.hdp <= 128) {
+      need_smem(attn_dec_scores_kernel<T, 8>, smem1, "attention");
+      attn_dec_scores_kernel<T, 8><<<grid, kDecThreads, smem1, s>>>(a);
+    } else {
+      need_smem(attn_dec_scores_kernel<T, 16>, smem1, "attention");
+      attn_dec_scores_kernel<T, 16><<<grid, kDecThreads, smem1, s>>>(a);
+    }
+    launched("attention (scores)");
+    const size_t smem2 = static_cast<size_t>(a.group) * d.L * sizeof(float);
+    need_smem(attn_dec_pv_kernel<T>, smem2, "attention");
+    attn_dec_pv_kernel<T><<<grid, kDecThreads, smem2, s>>>(a);
+    launched("attention (P.V)");
+    if (d.n_splits > 1) {
+      attn_dec_combine_kernel<<<dim3(a.n_head, a.n_tokens), 128, 0, s>>>(a);
+      launched("attention (combine)");
+    }
+  } else {
+    const size_t smem = PrefillSmem::floats_for(a.hdp, a.hdv, nullptr, nullptr) * sizeof(float);
+    const dim3 grid(blocks_for(static_cast<int64_t>(a.n_tokens) * a.group, kPTQ), a.n_head_kv);
+    if (a.hdv <= 128) {
+      need_smem(attn_prefill_kernel<T, 4>, smem, "attention");
+      attn_prefill_kernel<T, 4><<<grid, kPThreads, smem, s>>>(a);
+    } else {
+      need_smem(attn_prefill_kernel<T, 8>, smem, "attention");
+      attn_prefill_kernel<T, 8><<<grid, kPThreads, smem, s>>>(a);
+    }
+    launched("attention (prefill)");
+  }
+}
+
+// ================================ routing =========================================================
+
+__global__ void route_topk_kernel(const float* __restrict__ logits, int n_expert, int k, int32_t* __restrict__ ids,
+                                  float* __restrict__ weights) {
+  extern __shared__ float p[];  // [n_expert]
+  const int t = blockIdx.x, lane = threadIdx.x;
+  const float* l = logits + static_cast<int64_t>(t) * n_expert;
+  float mx = -INFINITY;
+  for (int e = lane; e < n_expert; e += 32) mx = fmaxf(mx, l[e]);
+  mx = warp_max(mx);
+  double sum = 0.0;
+  for (int e = lane; e < n_expert; e += 32) {
+    const float v = expf(__fsub_rn(l[e], mx));
+    p[e] = v;
+    sum += static_cast<double>(v);
+  }
+  sum = warp_sum(sum);
+  const float inv = static_cast<float>(1.0 / sum);
+  for (int e = lane; e < n_expert; e += 32) p[e] = __fmul_rn(p[e], inv);
+  __syncwarp();
+  int32_t* ti = ids + static_cast<int64_t>(t) * k;
+  float* tw = weights + static_cast<int64_t>(t) * k;
+  for (int j = 0; j < k; ++j) {
+    float bv = -1.0f;
+    int bi = INT_MAX;
+    for (int e = lane; e < n_expert; e += 32) {
+      if (p[e] > bv) {  // ascending e per lane: strict '>' keeps the lowest index on ties
+        bv = p[e];
+        bi = e;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(kFull, bv, o);
+      const int oi = __shfl_xor_sync(kFull, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) {
+        bv = ov;
+        bi = oi;
+      }
+    }
+    if (lane == 0) {
+      ti[j] = bi;
+      tw[j] = bv;
+      p[bi] = -2.0f;  // taken
+    }
+    __syncwarp();
+  }
+  if (lane == 0) {
+    double ws = 0.0;
+    for (int j = 0; j < k; ++j) ws += static_cast<double>(tw[j]);
+    const float s = fmaxf(static_cast<float>(ws), 6.103515625e-5f);
+    for (int j = 0; j < k; ++j) tw[j] = __fdiv_rn(tw[j], s);
+  }
+}
+
+__global__ void moe_combine_kernel(const float* __restrict__ y, const float* __restrict__ w, int k, int n,
+                                   float* __restrict__ out) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  const int t = blockIdx.y;
+  if (i >= n) return;
+  const float* yt = y + static_cast<int64_t>(t) * k * n + i;
+  const float* wt = w + static_cast<int64_t>(t) * k;
+  float o = __fmul_rn(yt[0], wt[0]);
+  for (int j = 1; j < k; ++j) o = __fadd_rn(o, __fmul_rn(yt[static_cast<int64_t>(j) * n], wt[j]));
+  out[static_cast<int64_t>(t) * n + i] = o;
+}
+
+}  // namespace
+
+// ================================ public API ======================================================
+
+void embed_rows(const DevMatrix& table, const int32_t* ids, int n, float* out, Stream s) {
+  if (n <= 0) return;
+  check_weight(table, "embed_rows");
+  const cudaStream_t st = cs(s);
+  if (is_float_type(table.type)) {
+    if (n > 65535) fail("embed_rows: too many rows in one call");
+    const dim3 grid(blocks_for(table.cols, 256), static_cast<unsigned>(n));
+    if (table.type == DType::F32) embed_float_kernel<float><<<grid, 256, 0, st>>>(table.data, table.row_bytes, table.cols, ids, table.rows, out);
+    else if (table.type == DType::F16) embed_float_kernel<__half><<<grid, 256, 0, st>>>(table.data, table.row_bytes, table.cols, ids, table.rows, out);
+    else embed_float_kernel<__nv_bfloat16><<<grid, 256, 0, st>>>(table.data, table.row_bytes, table.cols, ids, table.rows, out);
+  } else {
+    launch_dequant<float>(table.type, table.data, table.row_bytes, n, table.cols, ids, table.rows, out, table.cols, st);
+  }
+  launched("embed_rows");
+}
+
+void rms_norm(const float* x, const float* w, float* y, int n, int rows, float eps, int64_t ld_x, int64_t ld_y,
+              Stream s) {
+  if (rows <= 0) return;
+  rms_norm_kernel<<<rows, 256, 0, cs(s)>>>(x, w, y, n, eps, ld_x, ld_y);
+  launched("rms_norm");
+}
+
+void add(float* x, const float* y, int64_t n, Stream s) {
+  if (n <= 0) return;
+  add_kernel<<<blocks_for(n, 256), 256, 0, cs(s)>>>(x, y, n);
+  launched("add");
+}
+
+void swiglu(const float* gate, const float* up, float* out, int64_t n, Stream s) {
+  if (n <= 0) return;
+  swiglu_kernel<<<blocks_for(n, 256), 256, 0, cs(s)>>>(gate, up, out, n);
+  launched("swiglu");
+}
+
+void rope_neox(float* x, int n_tokens, int n_heads, int head_dim, int64_t ld, int n_rot, const int32_t* pos,
+               float base, float freq_scale, Stream s) {
+  if (n_tokens <= 0) return;
+  if (n_rot <= 0 || n_rot % 2 != 0 || n_rot > head_dim) fail("rope_neox: bad n_rot " + std::to_string(n_rot));
+  // The same float pow as cpu::rope_neox, on the host.
+  const float theta_scale = std::pow(base, -2.0f / static_cast<float>(n_rot));
+  const size_t smem = static_cast<size_t>(n_rot) * sizeof(float);
+  rope_neox_kernel<<<n_tokens, 128, smem, cs(s)>>>(x, n_heads, head_dim, ld, n_rot, pos, theta_scale, freq_scale);
+  launched("rope_neox");
+}
+
+size_t act_bytes(DType act, int64_t n, int rows) { return row_bytes(act, n) * static_cast<size_t>(rows); }
+
+void quantize_acts(DType act, const float* x, int64_t n, int rows, int64_t ld_x, void* dst, Stream s) {
+  if (rows <= 0) return;
+  const cudaStream_t st = cs(s);
+  const size_t stride = row_bytes(act, n);
+  uint8_t* d = static_cast<uint8_t*>(dst);
+  switch (act) {
+    case DType::Q8_0:
+    case DType::Q8_1: {
+      if (n % 32 != 0) fail("quantize_acts: row length not a multiple of 32");
+      const int64_t blocks = n / 32 * rows;
+      if (act == DType::Q8_0) quant_q8_kernel<false><<<blocks_for(blocks, 8), 256, 0, st>>>(x, n, rows, ld_x, d, stride);
+      else quant_q8_kernel<true><<<blocks_for(blocks, 8), 256, 0, st>>>(x, n, rows, ld_x, d, stride);
+      break;
+    }
+    case DType::Q8_K: {
+      if (n % 256 != 0) fail("quantize_acts: row length not a multiple of 256");
+      if (!aligned(dst, 4)) fail("quantize_acts: Q8_K destination must be 4-byte aligned");
+      const int64_t blocks = n / 256 * rows;
+      quant_q8k_kernel<<<blocks_for(blocks, 8), 256, 0, st>>>(x, n, rows, ld_x, d, stride);
+      break;
+    }
+    case DType::F16: launch_convert<0>(x, n, rows, ld_x, dst, n, st); break;
+    case DType::BF16: launch_convert<1>(x, n, rows, ld_x, dst, n, st); break;
+    case DType::F32: launch_convert<2>(x, n, rows, ld_x, dst, n, st); break;
+    default: fail(std::string("quantize_acts: unsupported activation type ") + tname(act));
+  }
+  launched("quantize_acts");
+}
+
+void matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_t ld_y, Stream s) {
+  if (n_tokens <= 0) return;
+  if (n_tokens > kMaxVecTokens)
+    fail("matvec: " + std::to_string(n_tokens) + " tokens, at most " + std::to_string(kMaxVecTokens));
+  launch_matvec(w, acts, n_tokens, y, ld_y, nullptr, nullptr, 1, nullptr, cs(s), "matvec");
+}
+
+void matvec_experts(const DevMatrix& w, const int32_t* ids, const int32_t* slot_of, int n_slots, const void* acts,
+                    const int32_t* act_row, float* y, int64_t ld_y, Stream s) {
+  if (n_slots <= 0) return;
+  if (n_slots > 65535) fail("matvec_experts: too many slots");
+  if (!ids || !act_row) fail("matvec_experts: ids and act_row are required");
+  launch_matvec(w, acts, 1, y, ld_y, ids, slot_of, n_slots, act_row, cs(s), "matvec_experts");
+}
+
+void copy_rows(const float* src, int64_t ld_src, const int32_t* src_rows, float* dst, int64_t ld_dst,
+               const int32_t* dst_rows, int n, int width, Stream s) {
+  if (n <= 0 || width <= 0) return;
+  const cudaStream_t st = cs(s);
+  for (int i0 = 0; i0 < n; i0 += 65535) {
+    const int ni = std::min(65535, n - i0);
+    const dim3 grid(std::min<unsigned>(blocks_for(width, 256), 64u), static_cast<unsigned>(ni));
+    copy_rows_kernel<<<grid, 256, 0, st>>>(src_rows ? src : src + i0 * ld_src, ld_src, src_rows ? src_rows + i0 : nullptr,
+                                           dst_rows ? dst : dst + i0 * ld_dst, ld_dst, dst_rows ? dst_rows + i0 : nullptr,
+                                           width);
+  }
+  launched("copy_rows");
+}
+
+size_t dequant_scratch_bytes(const DevMatrix& w) {
+  if (is_float_type(w.type)) return 0;
+  return align256(static_cast<size_t>(tile_rows(w)) * static_cast<size_t>(w.cols) * 2);
+}
+
+size_t matmul_scratch_bytes(const DevMatrix& w, int n_tokens) {
+  const size_t acts = w.type == DType::F32 ? 0 : align256(static_cast<size_t>(n_tokens) * w.cols * 2);
+  return dequant_scratch_bytes(w) + acts;
+}
+
+void matmul(const DevMatrix& w, int64_t mat, const float* x, int64_t ld_x, int n_tokens, float* y, int64_t ld_y,
+            void* scratch, Stream s) {
+  if (n_tokens <= 0) return;
+  check_weight(w, "matmul");
+  if (mat < 0 || mat >= w.n_mats) fail("matmul: matrix index out of range");
+  const cudaStream_t st = cs(s);
+  cublasHandle_t h = blas_handle();
+  blas_ok(cublasSetStream(h, st), "cublasSetStream");
+  const uint8_t* base = w.data + static_cast<size_t>(mat) * w.mat_bytes;
+  const int m = static_cast<int>(w.rows), k = static_cast<int>(w.cols), nt = n_tokens;
+  const float one = 1.0f, zero = 0.0f;
+  if (w.type == DType::F32) {
+    // SGEMM in f32 (pedantic: no TF32, no reduced-precision tricks)
+    blas_ok(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, nt, k, &one, base, CUDA_R_32F, k, x, CUDA_R_32F,
+                         static_cast<int>(ld_x), &zero, y, CUDA_R_32F, static_cast<int>(ld_y), CUBLAS_COMPUTE_32F_PEDANTIC,
+                         CUBLAS_GEMM_DEFAULT),
+            "matmul (f32)");
+    launched("matmul");
+    return;
+  }
+  if (!scratch || !aligned(scratch, 16)) fail("matmul: a 16-byte aligned scratch is required");
+  uint8_t* sc = static_cast<uint8_t*>(scratch);
+  const size_t wbytes = dequant_scratch_bytes(w);
+  void* xa = sc + wbytes;
+  if (w.type == DType::BF16) {
+    launch_convert<1>(x, k, nt, ld_x, xa, k, st);
+    launched("matmul (convert)");
+    blas_ok(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, nt, k, &one, base, CUDA_R_16BF, k, xa, CUDA_R_16BF, k, &zero, y,
+                         CUDA_R_32F, static_cast<int>(ld_y), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+            "matmul (bf16)");
+    launched("matmul");
+    return;
+  }
+  launch_convert<0>(x, k, nt, ld_x, xa, k, st);
+  launched("matmul (convert)");
+  if (w.type == DType::F16) {
+    blas_ok(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, nt, k, &one, base, CUDA_R_16F, k, xa, CUDA_R_16F, k, &zero, y,
+                         CUDA_R_32F, static_cast<int>(ld_y), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+            "matmul (f16)");
+    launched("matmul");
+    return;
+  }
+  __half* wt = reinterpret_cast<__half*>(sc);
+  const int64_t tr = tile_rows(w);
+  for (int64_t r0 = 0; r0 < w.rows; r0 += tr) {
+    const int64_t nr = std::min(tr, w.rows - r0);
+    launch_dequant<__half>(w.type, base + static_cast<size_t>(r0) * w.row_bytes, w.row_bytes, nr, w.cols, nullptr, 0, wt,
+                           w.cols, st);
+    launched("matmul (dequantize)");
+    blas_ok(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(nr), nt, k, &one, wt, CUDA_R_16F, k, xa, CUDA_R_16F,
+                         k, &zero, y + r0, CUDA_R_32F, static_cast<int>(ld_y), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+            "matmul (f16)");
+  }
+  launched("matmul");
+}
+
+void kv_store(const DevKv& kv, const int32_t* pos, int n_tokens, const float* k, int64_t ld_k, const float* v,
+              int64_t ld_v, int n_head_kv, int head_dim, int head_dim_v, Stream s) {
+  if (n_tokens <= 0) return;
+  if (n_tokens > 65535) fail("kv_store: too many tokens in one call");
+  const cudaStream_t st = cs(s);
+  const int kw = n_head_kv * head_dim, vw = n_head_kv * head_dim_v;
+  const dim3 gk(blocks_for(kw, 256), n_tokens);
+  const dim3 gv(blocks_for(n_tokens, 32), blocks_for(vw, 8));
+  const dim3 bv(32, 8);
+  if (kv.type == DType::F16) {
+    kv_store_k_kernel<__half><<<gk, 256, 0, st>>>(reinterpret_cast<__half*>(kv.k), pos, k, ld_k, kw);
+    kv_store_v_kernel<__half><<<gv, bv, 0, st>>>(reinterpret_cast<__half*>(kv.v), pos, v, ld_v, vw, n_tokens, kv.n_ctx);
+  } else if (kv.type == DType::F32) {
+    kv_store_k_kernel<float><<<gk, 256, 0, st>>>(reinterpret_cast<float*>(kv.k), pos, k, ld_k, kw);
+    kv_store_v_kernel<float><<<gv, bv, 0, st>>>(reinterpret_cast<float*>(kv.v), pos, v, ld_v, vw, n_tokens, kv.n_ctx);
+  } else {
+    fail(std::string("kv_store: unsupported cache type ") + tname(kv.type));
+  }
+  launched("kv_store");
+}
+
+size_t attention_scratch_bytes(int n_tokens, int n_kv_max, int n_head, int head_dim_v) {
+  if (n_tokens > kDecodeMaxTokens || n_tokens <= 0) return 0;
+  return decode_layout(n_tokens, n_kv_max, n_head, head_dim_v).total;
+}
+
+void attention(const float* q, int64_t ld_q, const DevKv& kv, int pos0, const int32_t* pos_dev, int n_tokens,
+               int n_kv_max, int n_head, int n_head_kv, int head_dim, int head_dim_v, float scale, float* out,
+               int64_t ld_out, void* scratch, size_t scratch_bytes, Stream s) {
+  if (n_tokens <= 0) return;
+  if (n_head_kv <= 0 || n_head % n_head_kv != 0) fail("attention: n_head must be a multiple of n_head_kv");
+  if (head_dim % 8 != 0 || head_dim > 256 || head_dim_v <= 0 || head_dim_v > 256)
+    fail("attention: head sizes must be multiples of 8 up to 256 (K: " + std::to_string(head_dim) +
+         ", V: " + std::to_string(head_dim_v) + ")");
+  if (kv.type != DType::F16 && kv.type != DType::F32)
+    fail(std::string("attention: unsupported cache type ") + tname(kv.type));
+  if (n_tokens > kDecodeMaxTokens && n_tokens * (n_head / n_head_kv) > 65535 * kPTQ) fail("attention: batch too large");
+  AttnArgs a{};
+  a.q = q;
+  a.ld_q = ld_q;
+  a.k = kv.k;
+  a.v = kv.v;
+  a.n_ctx = kv.n_ctx;
+  a.pos0 = pos0;
+  a.pos_dev = pos_dev;
+  a.n_tokens = n_tokens;
+  a.n_head = n_head;
+  a.n_head_kv = n_head_kv;
+  a.group = n_head / n_head_kv;
+  a.hd = head_dim;
+  a.hdp = (head_dim + 15) / 16 * 16;
+  a.hdv = head_dim_v;
+  a.scale = scale;
+  a.out = out;
+  a.ld_out = ld_out;
+  // Keys: up to pos0 + n_tokens; a graph-captured call (pos_dev) sizes itself by n_kv_max.
+  a.keys_max = pos_dev ? n_kv_max : pos0 + n_tokens;
+  if (a.keys_max <= 0) fail("attention: n_kv_max must be positive when positions come from the device");
+  if (a.keys_max > kv.n_ctx) fail("attention: more keys than the cache holds");
+  const cudaStream_t st = cs(s);
+  if (kv.type == DType::F16) launch_attention<__half>(a, scratch, scratch_bytes, st);
+  else launch_attention<float>(a, scratch, scratch_bytes, st);
+}
+
+void route_topk(const float* logits, int n_tokens, int n_expert, int k, int32_t* ids, float* weights, Stream s) {
+  if (n_tokens <= 0) return;
+  if (k <= 0 || k > n_expert) fail("route_topk: bad k");
+  const size_t smem = static_cast<size_t>(n_expert) * sizeof(float);
+  if (smem > 48 * 1024) fail("route_topk: too many experts");
+  route_topk_kernel<<<n_tokens, 32, smem, cs(s)>>>(logits, n_expert, k, ids, weights);
+  launched("route_topk");
+}
+
+void moe_combine(const float* y, const float* weights, int n_tokens, int k, int n, float* out, Stream s) {
+  if (n_tokens <= 0 || n <= 0) return;
+  if (n_tokens > 65535) fail("moe_combine: too many tokens");
+  moe_combine_kernel<<<dim3(blocks_for(n, 256), n_tokens), 256, 0, cs(s)>>>(y, weights, k, n, out);
+  launched("moe_combine");
+}
+
+}  // namespace fitmoe::gpu

@@ -1,0 +1,567 @@
+// Qwen3 / Qwen3-MoE on the GPU, with hybrid CPU/GPU experts.
+//
+// The forward pass mirrors the CPU one (src/model/qwen3.cpp) op for op, on gpu_ops. What the plan put
+// in host memory runs on the CPU: the routed experts of an MoE layer may be split, some on each side.
+// Decode (micro-batches of up to gpu::kMaxVecTokens tokens), per MoE layer:
+//   GPU: router -> top-k -> copies the choices and the normed input to pinned host memory -> runs the
+//        chosen device-resident experts;
+//   CPU: meanwhile waits for the choices and runs the chosen host-resident experts with all threads;
+//   GPU: receives their outputs and combines all experts' outputs in the reference's order.
+// Prefill (larger micro-batches): tokens are grouped by expert; device-resident experts run as
+// dequantize + cuBLAS products; for the host-resident experts the batch uses, each layer picks the
+// cheaper of uploading them from pinned memory (double-buffered, overlapping the previous expert's
+// compute) and running them on the CPU, from the planner's cost model.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "cuda/device.h"
+#include "cuda/gpu_ops.h"
+#include "model/qwen3.h"
+#include "runtime/cpu_ops.h"
+#include "runtime/error.h"
+#include "runtime/thread_pool.h"
+
+namespace fitmoe {
+
+namespace {
+
+using gpu::DevMatrix;
+
+// A weight as the GPU pass uses it: a device copy, or (placed on the host) the host Weight.
+struct GWeight {
+  DevMatrix dev;          // dev.data == nullptr: host-resident
+  const Weight* host = nullptr;
+  bool on_gpu() const { return dev.data != nullptr; }
+};
+
+struct GExperts {
+  DevMatrix gate, up, down;        // the device-resident experts, packed by slot
+  std::vector<int32_t> slot_of;    // expert -> slot, -1 = host
+  int32_t* slot_of_dev = nullptr;
+  int n_dev = 0;
+  const cpu::ExpertWeights* host = nullptr;
+};
+
+struct GLayer {
+  const float *attn_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr, *ffn_norm = nullptr;
+  GWeight wq, wk, wv, wo, router, ffn_gate, ffn_up, ffn_down;
+  GExperts experts;
+  bool moe = false;
+};
+
+DevMatrix matrix_view(const Weight& w, const uint8_t* data) {
+  DevMatrix m;
+  m.type = w.type;
+  m.cols = w.ne[0];
+  m.rows = w.ne[1];
+  m.n_mats = w.ne[2];
+  m.row_bytes = w.row_bytes;
+  m.mat_bytes = w.row_bytes * static_cast<size_t>(w.ne[1]);
+  m.data = data;
+  return m;
+}
+
+// Per-sequence GPU state: the KV cache and every scratch buffer, sized for one micro-batch.
+class GpuState final : public ModelState {
+ public:
+  GpuState(gpu::DeviceMemory& mem, const ModelConfig& c, const StateOptions& opt, int ubatch) : mem_(mem) {
+    n_ctx_ = opt.n_ctx;
+    kv_type = opt.kv_type;
+    if (kv_type != DType::F16 && kv_type != DType::F32)
+      throw Error(std::string("KV cache type ") + dtype_name(kv_type) + " is not supported (use f16 or f32)");
+    const size_t es = kv_type == DType::F16 ? 2 : 4;
+    k_bytes = static_cast<size_t>(n_ctx_) * c.n_head_kv * c.head_dim * es;
+    v_bytes = static_cast<size_t>(n_ctx_) * c.n_head_kv * c.head_dim_v * es;
+    for (int l = 0; l < c.n_layer; ++l) {
+      auto* k = static_cast<uint8_t*>(mem.alloc(k_bytes, "KV cache"));
+      auto* v = static_cast<uint8_t*>(mem.alloc(v_bytes, "KV cache"));
+      gpu::memset_async(k, 0, k_bytes, nullptr);
+      gpu::memset_async(v, 0, v_bytes, nullptr);
+      kv.push_back({kv_type, k, v, n_ctx_});
+    }
+    ub = ubatch;
+    gpu::sync_stream(nullptr);  // the zeroing ran on the default stream; finish it before any use
+  }
+  ~GpuState() override {
+    for (void* p : owned) mem_.free(p);
+    for (auto& k : kv) {
+      mem_.free(k.k);
+      mem_.free(k.v);
+    }
+    for (void* p : pinned) gpu::free_pinned(p);
+    for (void* e : {ev_route, ev_stage[0], ev_stage[1]})
+      if (e) gpu::destroy_event(e);
+  }
+  size_t bytes() const override { return (k_bytes + v_bytes) * kv.size(); }
+
+  float* dev_floats(size_t n, const char* what) { return static_cast<float*>(dev_bytes(n * sizeof(float), what)); }
+  void* dev_bytes(size_t n, const char* what) {
+    void* p = mem_.alloc(n, what);
+    owned.push_back(p);
+    return p;
+  }
+  template <typename T>
+  T* host(size_t n) {
+    void* p = gpu::alloc_pinned(std::max<size_t>(n * sizeof(T), 64));
+    pinned.push_back(p);
+    return static_cast<T*>(p);
+  }
+
+  DType kv_type;
+  size_t k_bytes = 0, v_bytes = 0;
+  std::vector<gpu::DevKv> kv;
+  int ub = 0;
+  bool buffers_ready = false;
+  // Device scratch.
+  float *x = nullptr, *xn = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *att = nullptr, *y = nullptr;
+  float *rlogits = nullptr, *wts = nullptr, *g = nullptr, *u = nullptr, *ey = nullptr, *logits = nullptr;
+  float *xg = nullptr;
+  int32_t *ids = nullptr, *pos = nullptr, *tokens = nullptr, *act_row = nullptr, *ident = nullptr, *idx_a = nullptr,
+          *idx_b = nullptr;
+  void *acts = nullptr, *dequant = nullptr, *attn_scratch = nullptr, *stage[2] = {nullptr, nullptr};
+  size_t acts_bytes = 0, dequant_bytes = 0, attn_scratch_bytes = 0, stage_bytes = 0;
+  // Pinned host exchange buffers.
+  float *h_x = nullptr, *h_xn = nullptr, *h_wts = nullptr, *h_ey = nullptr, *h_out = nullptr;
+  int32_t *h_ids = nullptr, *h_pos = nullptr, *h_idx = nullptr;
+  void* ev_route = nullptr;
+  void* ev_stage[2] = {nullptr, nullptr};
+  void* copy_stream = nullptr;
+  cpu::Scratch cpu_scratch;
+
+ private:
+  gpu::DeviceMemory& mem_;
+  std::vector<void*> owned, pinned;
+};
+
+class Qwen3Gpu final : public GpuRunner {
+ public:
+  Qwen3Gpu(const Qwen3Weights& w, const ModelConfig& c, const Plan& plan, const LoadOptions& opt)
+      : w_(w), c_(c), plan_(plan), mem_(plan.budget - plan.reserve), ubatch_(std::max(1, plan.options.n_ubatch)) {
+    stream_ = gpu::create_stream();
+    upload_all(opt);
+  }
+  ~Qwen3Gpu() override {
+    gpu::sync_stream(stream_);
+    gpu::destroy_stream(stream_);
+  }
+
+  std::unique_ptr<ModelState> new_state(const StateOptions& opt) override {
+    auto st = std::make_unique<GpuState>(mem_, c_, opt, ubatch_);
+    allocate_scratch(*st);
+    return st;
+  }
+
+  std::string memory_report() const override { return mem_.usage_report(); }
+
+  void forward(ModelState& st_, ThreadPool& pool, std::span<const int32_t> tokens, int n_logits,
+               float* logits) override {
+    auto& st = static_cast<GpuState&>(st_);
+    const int T = static_cast<int>(tokens.size());
+    const int first_logit = T - n_logits;
+    for (int t0 = 0; t0 < T; t0 += st.ub) {
+      const int nt = std::min(st.ub, T - t0);
+      const int want_from = std::max(first_logit, t0);
+      const int n_out = std::max(0, t0 + nt - want_from);
+      micro_batch(st, pool, tokens.subspan(t0, nt), st.n_past() + t0, n_out,
+                  n_out ? logits + static_cast<size_t>(want_from - first_logit) * c_.n_vocab : nullptr);
+    }
+  }
+
+ private:
+  // ---- loading --------------------------------------------------------------------------------
+  uint8_t* upload(const void* src, size_t bytes, const std::string& what) {
+    auto* d = static_cast<uint8_t*>(mem_.alloc(bytes, what));
+    gpu::copy_h2d(d, src, bytes, stream_);
+    return d;
+  }
+
+  GWeight place(const Weight& w) {
+    GWeight g;
+    g.host = &w;
+    if (!w) return g;
+    const TensorPlacement* tp = plan_.find(w.info->name);
+    if (tp && tp->on_gpu) g.dev = matrix_view(w, upload(w.host, w.matrix_bytes() * w.ne[2], "weights"));
+    return g;
+  }
+  const float* norm(const Weight& w) {
+    return w ? reinterpret_cast<const float*>(upload(w.host, w.matrix_bytes(), "weights")) : nullptr;
+  }
+
+  void upload_all(const LoadOptions& opt) {
+    uint64_t total = plan_.gpu_weights + plan_.gpu_experts, done = 0;
+    auto tick = [&](uint64_t b) {
+      done += b;
+      if (opt.progress) opt.progress("uploading weights to the GPU", done, total);
+    };
+    if (w_.output) {
+      output_ = place(w_.output);
+      tick(w_.output.matrix_bytes());
+    }
+    output_norm_ = norm(w_.output_norm);
+    if (w_.tok_embd.info == w_.output.info && output_.on_gpu()) embed_dev_ = output_.dev;
+    layers_.resize(c_.n_layer);
+    for (int l = 0; l < c_.n_layer; ++l) {
+      const Qwen3Layer& L = w_.layers[l];
+      GLayer& G = layers_[l];
+      G.attn_norm = norm(L.attn_norm);
+      G.q_norm = norm(L.q_norm);
+      G.k_norm = norm(L.k_norm);
+      G.ffn_norm = norm(L.ffn_norm);
+      G.wq = place(L.wq);
+      G.wk = place(L.wk);
+      G.wv = place(L.wv);
+      G.wo = place(L.wo);
+      tick(L.wq.matrix_bytes() + L.wk.matrix_bytes() + L.wv.matrix_bytes() + L.wo.matrix_bytes());
+      G.moe = static_cast<bool>(L.router);
+      if (G.moe) {
+        G.router = place(L.router);
+        GExperts& X = G.experts;
+        X.host = &L.experts;
+        const TensorPlacement* tp = plan_.find(L.experts.gate.info->name);
+        const int E = c_.n_expert;
+        X.slot_of.assign(E, -1);
+        for (int e = 0; e < E; ++e)
+          if (tp && !tp->expert_on_gpu.empty() && tp->expert_on_gpu[e]) X.slot_of[e] = X.n_dev++;
+        auto pack = [&](const Weight& w3) {
+          DevMatrix m = matrix_view(w3, nullptr);
+          m.n_mats = X.n_dev;
+          if (X.n_dev == 0) return m;
+          auto* d = static_cast<uint8_t*>(mem_.alloc(m.mat_bytes * X.n_dev, "routed experts"));
+          for (int e = 0; e < E; ++e)
+            if (X.slot_of[e] >= 0) gpu::copy_h2d(d + m.mat_bytes * X.slot_of[e], w3.expert(e).host, m.mat_bytes, stream_);
+          m.data = d;
+          tick(m.mat_bytes * X.n_dev);
+          return m;
+        };
+        X.gate = pack(L.experts.gate);
+        X.up = pack(L.experts.up);
+        X.down = pack(L.experts.down);
+        X.slot_of_dev = reinterpret_cast<int32_t*>(upload(X.slot_of.data(), sizeof(int32_t) * E, "routing tables"));
+      } else {
+        G.ffn_gate = place(L.ffn_gate);
+        G.ffn_up = place(L.ffn_up);
+        G.ffn_down = place(L.ffn_down);
+      }
+      gpu::sync_stream(stream_);  // host sources of this layer may be reused by the caller
+    }
+  }
+
+  void allocate_scratch(GpuState& st) {
+    const int U = st.ub, E = std::max(c_.n_expert, 1), k = std::max(c_.n_expert_used, 1);
+    const int64_t n = c_.n_embd, qw = static_cast<int64_t>(c_.n_head) * c_.head_dim,
+                  kw = static_cast<int64_t>(c_.n_head_kv) * c_.head_dim, vw = static_cast<int64_t>(c_.n_head_kv) * c_.head_dim_v,
+                  aw = static_cast<int64_t>(c_.n_head) * c_.head_dim_v;
+    const int64_t ff = std::max<int64_t>({c_.n_ff_exp, c_.n_ff, 1});
+    const int64_t slots = c_.n_expert ? static_cast<int64_t>(U) * k : U;
+    st.x = st.dev_floats(U * n, "activations");
+    st.xn = st.dev_floats(U * n, "activations");
+    st.q = st.dev_floats(U * qw, "activations");
+    st.k = st.dev_floats(U * kw, "activations");
+    st.v = st.dev_floats(U * vw, "activations");
+    st.att = st.dev_floats(U * aw, "activations");
+    st.y = st.dev_floats(U * n, "activations");
+    st.rlogits = st.dev_floats(U * E, "activations");
+    st.wts = st.dev_floats(slots, "activations");
+    st.g = st.dev_floats(slots * ff, "activations");
+    st.u = st.dev_floats(slots * ff, "activations");
+    st.ey = st.dev_floats(slots * n, "activations");
+    st.xg = st.dev_floats(U * n, "activations");
+    st.logits = st.dev_floats(static_cast<size_t>(std::min(U, 64)) * c_.n_vocab, "logits");
+    st.ids = static_cast<int32_t*>(st.dev_bytes(sizeof(int32_t) * slots, "activations"));
+    st.pos = static_cast<int32_t*>(st.dev_bytes(sizeof(int32_t) * U, "activations"));
+    st.tokens = static_cast<int32_t*>(st.dev_bytes(sizeof(int32_t) * U, "activations"));
+    st.idx_a = static_cast<int32_t*>(st.dev_bytes(sizeof(int32_t) * slots, "activations"));
+    st.idx_b = static_cast<int32_t*>(st.dev_bytes(sizeof(int32_t) * slots, "activations"));
+    // act_row[j] = j / k (slot -> token) and ident[j] = j, constant.
+    std::vector<int32_t> rows(static_cast<size_t>(slots)), ident(static_cast<size_t>(slots));
+    for (int64_t j = 0; j < slots; ++j) rows[j] = static_cast<int32_t>(j / k), ident[j] = static_cast<int32_t>(j);
+    st.act_row = static_cast<int32_t*>(st.dev_bytes(sizeof(int32_t) * slots, "activations"));
+    st.ident = static_cast<int32_t*>(st.dev_bytes(sizeof(int32_t) * slots, "activations"));
+    gpu::copy_h2d(st.act_row, rows.data(), sizeof(int32_t) * slots, stream_);
+    gpu::copy_h2d(st.ident, ident.data(), sizeof(int32_t) * slots, stream_);
+    // Activations in the weights' formats: the widest row set is the experts' slots.
+    int64_t widest = std::max<int64_t>({n, qw, aw, ff});
+    st.acts_bytes = gpu::act_bytes(DType::F32, widest, static_cast<int>(std::max<int64_t>(slots, U)));
+    st.acts = st.dev_bytes(st.acts_bytes, "activations");
+    st.dequant_bytes = 64u << 20;
+    st.dequant = st.dev_bytes(st.dequant_bytes, "dequantized weight tiles");
+    st.attn_scratch_bytes = gpu::attention_scratch_bytes(U, st.n_ctx(), c_.n_head, c_.head_dim_v);
+    st.attn_scratch = st.dev_bytes(st.attn_scratch_bytes, "attention scratch");
+    // Staging for host experts uploaded during prefill: two buffers of one expert each.
+    if (c_.n_expert) {
+      const auto& L0 = w_.layers[0].experts;
+      st.stage_bytes = L0.gate.matrix_bytes() + L0.up.matrix_bytes() + L0.down.matrix_bytes();
+      for (int layer = 1; layer < c_.n_layer; ++layer) {
+        const auto& Lx = w_.layers[layer].experts;
+        st.stage_bytes = std::max(st.stage_bytes, Lx.gate.matrix_bytes() + Lx.up.matrix_bytes() + Lx.down.matrix_bytes());
+      }
+      st.stage[0] = st.dev_bytes(st.stage_bytes, "expert upload staging");
+      st.stage[1] = st.dev_bytes(st.stage_bytes, "expert upload staging");
+      st.ev_stage[0] = gpu::create_event();
+      st.ev_stage[1] = gpu::create_event();
+    }
+    st.h_x = st.host<float>(static_cast<size_t>(U) * n);
+    st.h_xn = st.host<float>(static_cast<size_t>(U) * n);
+    st.h_wts = st.host<float>(slots);
+    st.h_ids = st.host<int32_t>(slots);
+    st.h_ey = st.host<float>(static_cast<size_t>(slots) * n);
+    st.h_pos = st.host<int32_t>(U);
+    st.h_idx = st.host<int32_t>(2 * slots + 2);
+    // Host-side products (weights the plan left on the host): logits come in slices of 64 rows.
+    st.h_out = st.host<float>(std::max<size_t>(static_cast<size_t>(64) * c_.n_vocab,
+                                               static_cast<size_t>(U) * std::max<int64_t>({qw, aw, n, ff, E})));
+    st.ev_route = gpu::create_event();
+    gpu::sync_stream(stream_);
+  }
+
+  // ---- ops ------------------------------------------------------------------------------------
+  // y[t] = W x[t] for nt tokens (ld_x = W.cols, ld_y given), on the GPU when W is there, else on the
+  // CPU through pinned buffers.
+  void linear(GpuState& st, ThreadPool& pool, const GWeight& w, const float* x, int nt, float* y, int64_t ld_y) {
+    const Weight& hw = *w.host;
+    if (!w.on_gpu()) {
+      gpu::copy_d2h(st.h_xn, x, sizeof(float) * nt * hw.cols(), stream_);
+      gpu::sync_stream(stream_);
+      cpu::matmul(pool, hw, st.h_xn, hw.cols(), nt, st.h_out, ld_y, st.cpu_scratch, 40);
+      gpu::copy_h2d(y, st.h_out, sizeof(float) * ((nt - 1) * ld_y + hw.rows()), stream_);
+      gpu::sync_stream(stream_);  // h_out is reused by the next host matmul
+      return;
+    }
+    const DevMatrix& m = w.dev;
+    if (nt <= gpu::kMaxVecTokens) {
+      gpu::quantize_acts(dtype_info(m.type).act_type, x, m.cols, nt, m.cols, st.acts, stream_);
+      gpu::matvec(m, st.acts, nt, y, ld_y, stream_);
+      return;
+    }
+    matmul_chunked(st, m, 0, x, m.cols, nt, y, ld_y);
+  }
+
+  // Large products through dequantize + cuBLAS, in row chunks that fit the dequantization scratch.
+  void matmul_chunked(GpuState& st, const DevMatrix& m, int64_t mat, const float* x, int64_t ld_x, int nt, float* y,
+                      int64_t ld_y) {
+    DevMatrix one = m;
+    one.data = m.data + m.mat_bytes * mat;
+    one.n_mats = 1;
+    const size_t per_row = gpu::dequant_scratch_bytes(DevMatrix{m.type, m.cols, 1, 1, m.row_bytes, m.row_bytes, nullptr});
+    int64_t chunk = std::max<int64_t>(1, static_cast<int64_t>(st.dequant_bytes / std::max<size_t>(per_row, 1)));
+    chunk = std::min(chunk, m.rows);
+    for (int64_t r0 = 0; r0 < m.rows; r0 += chunk) {
+      DevMatrix part = one;
+      part.rows = std::min(chunk, m.rows - r0);
+      part.data = one.data + m.row_bytes * r0;
+      part.mat_bytes = m.row_bytes * part.rows;
+      gpu::matmul(part, 0, x, ld_x, nt, y + r0, ld_y, st.dequant, stream_);
+    }
+  }
+
+  void micro_batch(GpuState& st, ThreadPool& pool, std::span<const int32_t> tokens, int pos0, int n_out, float* logits) {
+    const ModelConfig& c = c_;
+    const int nt = static_cast<int>(tokens.size());
+    const int E = c.n_embd, hd = c.head_dim, hdv = c.head_dim_v;
+    const int qw = c.n_head * hd, kw = c.n_head_kv * hd, vw = c.n_head_kv * hdv, aw = c.n_head * hdv;
+
+    // Embedding rows on the host (the table stays there), positions, then one upload each.
+    for (int t = 0; t < nt; ++t) st.h_pos[t] = pos0 + t;
+    gpu::copy_h2d(st.pos, st.h_pos, sizeof(int32_t) * nt, stream_);
+    if (embed_dev_.data) {
+      std::memcpy(st.h_idx, tokens.data(), sizeof(int32_t) * nt);
+      gpu::copy_h2d(st.tokens, st.h_idx, sizeof(int32_t) * nt, stream_);
+      gpu::embed_rows(embed_dev_, st.tokens, nt, st.x, stream_);
+      gpu::sync_stream(stream_);
+    } else {
+      gpu::sync_stream(stream_);  // h_x may still be in flight from the previous micro-batch
+      cpu::embed(pool, w_.tok_embd, tokens, st.h_x);
+      gpu::copy_h2d(st.x, st.h_x, sizeof(float) * nt * E, stream_);
+    }
+
+    for (int l = 0; l < c.n_layer; ++l) {
+      GLayer& G = layers_[l];
+      gpu::rms_norm(st.x, G.attn_norm, st.xn, E, nt, c.rms_eps, E, E, stream_);
+      linear(st, pool, G.wq, st.xn, nt, st.q, qw);
+      linear(st, pool, G.wk, st.xn, nt, st.k, kw);
+      linear(st, pool, G.wv, st.xn, nt, st.v, vw);
+      gpu::rms_norm(st.q, G.q_norm, st.q, hd, nt * c.n_head, c.rms_eps, hd, hd, stream_);
+      gpu::rms_norm(st.k, G.k_norm, st.k, hd, nt * c.n_head_kv, c.rms_eps, hd, hd, stream_);
+      gpu::rope_neox(st.q, nt, c.n_head, hd, qw, c.n_rot, st.pos, c.rope_base, c.rope_freq_scale, stream_);
+      gpu::rope_neox(st.k, nt, c.n_head_kv, hd, kw, c.n_rot, st.pos, c.rope_base, c.rope_freq_scale, stream_);
+      gpu::kv_store(st.kv[l], st.pos, nt, st.k, kw, st.v, vw, c.n_head_kv, hd, hdv, stream_);
+      gpu::attention(st.q, qw, st.kv[l], pos0, st.pos, nt, st.n_ctx(), c.n_head, c.n_head_kv, hd, hdv,
+                     1.0f / std::sqrt(static_cast<float>(hd)), st.att, aw, st.attn_scratch, st.attn_scratch_bytes, stream_);
+      linear(st, pool, G.wo, st.att, nt, st.y, E);
+      gpu::add(st.x, st.y, static_cast<int64_t>(nt) * E, stream_);
+
+      gpu::rms_norm(st.x, G.ffn_norm, st.xn, E, nt, c.rms_eps, E, E, stream_);
+      if (G.moe) {
+        moe(st, pool, G, nt);
+      } else {
+        const int64_t ff = c.n_ff;
+        linear(st, pool, G.ffn_gate, st.xn, nt, st.g, ff);
+        linear(st, pool, G.ffn_up, st.xn, nt, st.u, ff);
+        gpu::swiglu(st.g, st.u, st.g, static_cast<int64_t>(nt) * ff, stream_);
+        linear(st, pool, G.ffn_down, st.g, nt, st.y, E);
+      }
+      gpu::add(st.x, st.y, static_cast<int64_t>(nt) * E, stream_);
+    }
+
+    if (n_out > 0) {
+      const float* last = st.x + static_cast<int64_t>(nt - n_out) * E;
+      gpu::rms_norm(last, output_norm_, st.xn, E, n_out, c.rms_eps, E, E, stream_);
+      // Logits in slices of at most 64 rows (the device logits buffer), copied out as they finish.
+      for (int r0 = 0; r0 < n_out; r0 += 64) {
+        const int nr = std::min(64, n_out - r0);
+        linear(st, pool, output_, st.xn + static_cast<int64_t>(r0) * E, nr, st.logits, c.n_vocab);
+        gpu::copy_d2h(logits + static_cast<size_t>(r0) * c.n_vocab, st.logits, sizeof(float) * nr * c.n_vocab, stream_);
+        gpu::sync_stream(stream_);
+      }
+    }
+    gpu::sync_stream(stream_);
+  }
+
+  // Routed experts of one layer: input st.xn [nt][E], output st.y [nt][E].
+  void moe(GpuState& st, ThreadPool& pool, GLayer& G, int nt) {
+    const ModelConfig& c = c_;
+    const int E = c.n_embd, k = c.n_expert_used, n_slots = nt * k;
+    const int64_t ff = c.n_ff_exp;
+    GExperts& X = G.experts;
+    linear(st, pool, G.router, st.xn, nt, st.rlogits, c.n_expert);
+    gpu::route_topk(st.rlogits, nt, c.n_expert, k, st.ids, st.wts, stream_);
+    const bool hybrid = X.n_dev < c.n_expert;
+
+    if (nt <= gpu::kMaxVecTokens) {
+      if (hybrid) {
+        // The CPU needs the choices and the normed input; copy them out first so the CPU can start
+        // while the GPU runs its own experts.
+        gpu::copy_d2h(st.h_ids, st.ids, sizeof(int32_t) * n_slots, stream_);
+        gpu::copy_d2h(st.h_xn, st.xn, sizeof(float) * nt * E, stream_);
+        gpu::record_event(st.ev_route, stream_);
+      }
+      if (X.n_dev > 0) {
+        const DType act = dtype_info(X.gate.type).act_type;
+        gpu::quantize_acts(act, st.xn, E, nt, E, st.acts, stream_);
+        gpu::matvec_experts(X.gate, st.ids, X.slot_of_dev, n_slots, st.acts, st.act_row, st.g, ff, stream_);
+        gpu::matvec_experts(X.up, st.ids, X.slot_of_dev, n_slots, st.acts, st.act_row, st.u, ff, stream_);
+        gpu::swiglu(st.g, st.u, st.g, n_slots * ff, stream_);
+        gpu::quantize_acts(dtype_info(X.down.type).act_type, st.g, ff, n_slots, ff, st.acts, stream_);
+        gpu::matvec_experts(X.down, st.ids, X.slot_of_dev, n_slots, st.acts, st.ident, st.ey, E, stream_);
+      }
+      if (hybrid) {
+        gpu::sync_event(st.ev_route);
+        std::vector<int32_t> tok, exp, slot;
+        for (int j = 0; j < n_slots; ++j)
+          if (X.slot_of[st.h_ids[j]] < 0) tok.push_back(j / k), exp.push_back(st.h_ids[j]), slot.push_back(j);
+        if (!tok.empty()) {
+          cpu::expert_ffn(pool, *X.host, st.h_xn, nt, E, tok.data(), exp.data(), static_cast<int>(tok.size()), st.h_ey,
+                          st.cpu_scratch);
+          for (size_t i = 0; i < slot.size(); ++i)
+            gpu::copy_h2d(st.ey + static_cast<int64_t>(slot[i]) * E, st.h_ey + i * E, sizeof(float) * E, stream_);
+        }
+      }
+      gpu::moe_combine(st.ey, st.wts, nt, k, E, st.y, stream_);
+      if (hybrid) gpu::sync_stream(stream_);  // h_ey is rewritten by the next layer
+      return;
+    }
+
+    // Prefill: group slots by expert on the host.
+    gpu::copy_d2h(st.h_ids, st.ids, sizeof(int32_t) * n_slots, stream_);
+    gpu::sync_stream(stream_);
+    std::vector<std::vector<int32_t>> by_expert(c.n_expert);
+    for (int j = 0; j < n_slots; ++j) {
+      const int e = st.h_ids[j];
+      if (e < 0 || e >= c.n_expert) throw Error("router chose an expert out of range");
+      by_expert[e].push_back(j);
+    }
+    // Host experts this batch uses: upload them (PCIe) or run them on the CPU, whichever the cost model
+    // says is cheaper for this many tokens.
+    double host_bytes = 0;
+    int host_assign = 0;
+    const double per_expert = static_cast<double>(X.host->gate.matrix_bytes() + X.host->up.matrix_bytes() + X.host->down.matrix_bytes());
+    for (int e = 0; e < c.n_expert; ++e)
+      if (X.slot_of[e] < 0 && !by_expert[e].empty()) host_bytes += per_expert, host_assign += static_cast<int>(by_expert[e].size());
+    const auto& m = plan_.machine;
+    const double t_upload = m.pcie_bw > 0 ? host_bytes / m.pcie_bw : 1e9;
+    const double t_cpu = m.cpu_int8_flops > 0 ? host_assign * 2.0 * per_expert / 0.6 / m.cpu_int8_flops : 1e9;
+    const std::string& mode = plan_.options.prefill_host_experts;
+    const bool cpu_for_host = host_assign > 0 && (mode == "cpu" || (mode == "auto" && t_cpu < t_upload));
+
+    std::vector<int32_t> cpu_tok, cpu_exp, cpu_slot;
+    if (cpu_for_host) {
+      gpu::copy_d2h(st.h_xn, st.xn, sizeof(float) * nt * E, stream_);
+      gpu::sync_stream(stream_);
+      for (int e = 0; e < c.n_expert; ++e)
+        if (X.slot_of[e] < 0)
+          for (int j : by_expert[e]) cpu_tok.push_back(j / k), cpu_exp.push_back(e), cpu_slot.push_back(j);
+    }
+    // Index lists for every expert of the batch, uploaded once: tokens to gather, slots to scatter to.
+    std::vector<int> first(c.n_expert, 0);
+    int off = 0;
+    for (int e = 0; e < c.n_expert; ++e) {
+      first[e] = off;
+      for (int j : by_expert[e]) st.h_idx[off] = j / k, st.h_idx[n_slots + off] = j, ++off;
+    }
+    gpu::copy_h2d(st.idx_a, st.h_idx, sizeof(int32_t) * n_slots, stream_);
+    gpu::copy_h2d(st.idx_b, st.h_idx + n_slots, sizeof(int32_t) * n_slots, stream_);
+    int stage_i = 0;
+    for (int e = 0; e < c.n_expert; ++e) {
+      const auto& slots = by_expert[e];
+      if (slots.empty()) continue;
+      DevMatrix g3, u3, d3;
+      int64_t mat = 0;
+      if (X.slot_of[e] >= 0) {
+        g3 = X.gate, u3 = X.up, d3 = X.down;
+        mat = X.slot_of[e];
+      } else if (cpu_for_host) {
+        continue;
+      } else {
+        // Upload this expert into a staging buffer (stream order keeps it behind the buffer's last use).
+        uint8_t* s = static_cast<uint8_t*>(st.stage[stage_i]);
+        const Weight gw = X.host->gate.expert(e), uw = X.host->up.expert(e), dw = X.host->down.expert(e);
+        gpu::copy_h2d(s, gw.host, gw.matrix_bytes(), stream_);
+        gpu::copy_h2d(s + gw.matrix_bytes(), uw.host, uw.matrix_bytes(), stream_);
+        gpu::copy_h2d(s + gw.matrix_bytes() + uw.matrix_bytes(), dw.host, dw.matrix_bytes(), stream_);
+        g3 = matrix_view(gw, s);
+        u3 = matrix_view(uw, s + gw.matrix_bytes());
+        d3 = matrix_view(dw, s + gw.matrix_bytes() + uw.matrix_bytes());
+        g3.n_mats = u3.n_mats = d3.n_mats = 1;
+        stage_i ^= 1;
+      }
+      const int cnt = static_cast<int>(slots.size());
+      // Gather the tokens' inputs, run the expert, scatter its outputs to the slots' rows.
+      gpu::copy_rows(st.xn, E, st.idx_a + first[e], st.xg, E, nullptr, cnt, E, stream_);
+      matmul_chunked(st, g3, mat, st.xg, E, cnt, st.g, ff);
+      matmul_chunked(st, u3, mat, st.xg, E, cnt, st.u, ff);
+      gpu::swiglu(st.g, st.u, st.g, cnt * ff, stream_);
+      matmul_chunked(st, d3, mat, st.g, ff, cnt, st.xg, E);
+      gpu::copy_rows(st.xg, E, nullptr, st.ey, E, st.idx_b + first[e], cnt, E, stream_);
+    }
+    if (!cpu_tok.empty()) {
+      cpu::expert_ffn(pool, *X.host, st.h_xn, nt, E, cpu_tok.data(), cpu_exp.data(), static_cast<int>(cpu_tok.size()),
+                      st.h_ey, st.cpu_scratch);
+      for (size_t i = 0; i < cpu_slot.size(); ++i)
+        gpu::copy_h2d(st.ey + static_cast<int64_t>(cpu_slot[i]) * E, st.h_ey + i * E, sizeof(float) * E, stream_);
+    }
+    gpu::moe_combine(st.ey, st.wts, nt, k, E, st.y, stream_);
+    gpu::sync_stream(stream_);
+  }
+
+  const Qwen3Weights& w_;
+  const ModelConfig& c_;
+  const Plan& plan_;
+  gpu::DeviceMemory mem_;
+  int ubatch_;
+  void* stream_ = nullptr;
+  GWeight output_;
+  const float* output_norm_ = nullptr;
+  DevMatrix embed_dev_;
+  std::vector<GLayer> layers_;
+};
+
+}  // namespace
+
+std::unique_ptr<GpuRunner> make_qwen3_gpu(const Qwen3Weights& w, const ModelConfig& c, const Plan& plan,
+                                          const LoadOptions& opt) {
+  return std::make_unique<Qwen3Gpu>(w, c, plan, opt);
+}
+
+}  // namespace fitmoe

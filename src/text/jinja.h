@@ -1,0 +1,57 @@
+// A small Jinja2 interpreter for the chat templates GGUF files carry (tokenizer.chat_template).
+//
+// Semantics follow Jinja2 as Hugging Face transformers configures it for chat templates:
+// trim_blocks and lstrip_blocks on, the loopcontrols extension (break/continue), Python-style values,
+// `tojson` as transformers defines it (json.dumps with ensure_ascii=False, keys in insertion order),
+// and the globals raise_exception(), strftime_now(), namespace(), range(), dict().
+//
+// Supported: {{ }}, {% %}, {# #} with -/+ whitespace control; if/elif/else; for (tuple targets, `if`
+// filter, else, loop.index/index0/revindex/revindex0/first/last/length/previtem/nextitem/cycle/depth);
+// set (names, namespace attributes, tuples, block set); macro (defaults, keyword arguments); call of
+// macros from expressions; filter blocks; raw; do; break/continue; generation (rendered as is).
+// Expressions: literals (strings, ints, floats, true/false/none in both cases, lists, tuples, dicts),
+// attribute/item access, slices [a:b:c], calls with keyword args, filters, tests (`is`, `is not`),
+// conditional expressions, and/or/not, in/not in, comparisons (chained), + - * / // % ** ~ and unary -.
+// Filters: abs attr capitalize count default/d dictsort escape/e first float indent int items join last
+// length list lower map max min reject rejectattr replace reverse round safe select selectattr sort
+// string sum title tojson trim unique upper wordcount.
+// Tests: boolean callable defined divisibleby eq/equalto/== even false float ge/>= gt/>/greaterthan in
+// integer iterable le/<= lower lt/</lessthan mapping ne/!= none number odd sameas sequence string true
+// undefined upper.
+// String methods: strip lstrip rstrip split rsplit startswith endswith upper lower title capitalize
+// replace find count join format-free; dict methods: get items keys values; list methods: append
+// extend pop insert index count.
+//
+// Anything else (include, extends, import, call blocks, unknown filters/tests, ...) fails with a
+// fitmoe::Error naming the construct and its line. Lenient where Hugging Face's environment would fail
+// late: an attribute of an undefined value is undefined. Rendering stops with an error after 50 million
+// evaluation steps, 256 MiB of output or a macro recursion depth of 256.
+#pragma once
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include <nlohmann/json.hpp>
+
+namespace fitmoe::jinja {
+
+class Template {
+ public:
+  // Parses the template; throws fitmoe::Error("chat template, line N: ...") on syntax errors and
+  // unsupported constructs.
+  explicit Template(std::string_view source);
+  ~Template();
+  Template(Template&&) noexcept;
+  Template& operator=(Template&&) noexcept;
+
+  // Renders with the given variables (a JSON object; keys become template variables). Throws
+  // fitmoe::Error on runtime errors, including raise_exception() from the template.
+  std::string render(const nlohmann::ordered_json& context) const;
+
+  struct Program;
+
+ private:
+  std::unique_ptr<Program> prog_;
+};
+
+}  // namespace fitmoe::jinja

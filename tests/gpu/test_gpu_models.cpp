@@ -1,0 +1,120 @@
+// qwen3moe / qwen3 on the GPU against the reference's logits and greedy tokens: fully on the GPU, and
+// in hybrid mode with experts forced to the host (all of them, one layer's, and half of every
+// layer's by a tight budget), with both prefill treatments of host experts. Skips without a GPU.
+#include <gtest/gtest.h>
+
+#include "cuda/device.h"
+#include "reference_check.h"
+#include "runtime/machine.h"
+
+using namespace fitmoe;
+
+namespace {
+
+bool have_gpu() {
+  gpu::DeviceInfo di;
+  return gpu::query_device(&di);
+}
+
+struct GpuCase {
+  std::string folder, type, mode;  // mode: gpu | cpu_moe | n_cpu_moe1 | half_budget ; + "/cpu" for CPU prefill of host experts
+};
+
+std::unique_ptr<Model> load_gpu(const std::string& path, const std::string& mode) {
+  LoadOptions lo;
+  lo.plan.n_ctx = 512;
+  lo.plan.n_ubatch = 256;
+  const std::string base = mode.substr(0, mode.find('/'));
+  if (mode.find("/cpu") != std::string::npos) lo.plan.prefill_host_experts = "cpu";
+  else if (mode.find("/upload") != std::string::npos) lo.plan.prefill_host_experts = "upload";
+  if (base == "cpu_moe") lo.plan.cpu_moe = true;
+  if (base == "n_cpu_moe1") lo.plan.n_cpu_moe = 1;
+  if (base == "half_budget") {
+    // First plan with the whole card, then a budget that leaves room for half of the experts.
+    LoadOptions probe = lo;
+    probe.plan_only = true;
+    auto p = Model::load(path, probe);
+    const Plan& full = p->plan();
+    lo.plan.vram_budget = full.gpu_weights + full.gpu_kv + full.gpu_scratch + full.reserve + full.gpu_experts / 2;
+  }
+  auto m = Model::load(path, lo);
+  EXPECT_TRUE(m->on_gpu()) << mode;
+  return m;
+}
+
+class GpuReference : public ::testing::TestWithParam<GpuCase> {};
+
+TEST_P(GpuReference, LogitsAndGreedyMatch) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  const GpuCase& c = GetParam();
+  const std::string dir = test::testdata(c.folder);
+  auto manifest = test::read_json(dir + "/manifest.json");
+  auto model = load_gpu(dir + "/" + c.folder + "-" + c.type + ".gguf", c.mode);
+  const Plan& plan = model->plan();
+  int on = 0, total = 0;
+  for (auto& t : plan.tensors)
+    if (t.is_experts) {
+      total += static_cast<int>(t.expert_on_gpu.size());
+      on += static_cast<int>(std::count(t.expert_on_gpu.begin(), t.expert_on_gpu.end(), true));
+    }
+  if (c.mode == "gpu") EXPECT_EQ(on, total);
+  if (c.mode.rfind("cpu_moe", 0) == 0) EXPECT_EQ(on, 0);
+  if (c.mode.rfind("half_budget", 0) == 0 || c.mode.rfind("n_cpu_moe1", 0) == 0) {
+    EXPECT_GT(on, 0);
+    EXPECT_LT(on, total);
+  }
+  std::printf("  %s %s: %d of %d expert matrices on the GPU; %s\n", c.type.c_str(), c.mode.c_str(), on, total,
+              model->gpu_memory_report().c_str());
+  const auto tol = test::tolerance_for(c.type);
+  for (const char* p : {"p7", "p33", "p200"}) {
+    const auto& ref = manifest["files"][c.type]["refs"][p];
+    auto prompt = manifest["prompts"][p]["ids"].get<std::vector<int32_t>>();
+    auto logits = test::read_f32(dir + "/" + ref["logits"].get<std::string>());
+    std::string label = c.folder + "-" + c.type + " " + c.mode + " " + p;
+    std::printf("  %s\n", test::check_logits(*model, prompt, ref["logits_rows"][0].get<int>(), logits, tol, label).c_str());
+    test::check_greedy(*model, test::read_json(dir + "/" + ref["greedy"].get<std::string>()), tol, label);
+  }
+}
+
+std::vector<GpuCase> cases() {
+  std::vector<GpuCase> out;
+  for (const char* t : {"f32", "f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q5_1", "q4_0", "iq4_xs", "q3_k_m"})
+    out.push_back({"qwen3moe-tiny", t, "gpu"});
+  for (const char* t : {"f32", "q4_k_m"})
+    for (const char* m : {"cpu_moe/upload", "cpu_moe/cpu", "n_cpu_moe1/upload", "half_budget/upload", "half_budget/cpu"})
+      out.push_back({"qwen3moe-tiny", t, m});
+  for (const char* t : {"f32", "q8_0"}) out.push_back({"qwen3-draft", t, "gpu"});
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Files, GpuReference, ::testing::ValuesIn(cases()), [](const auto& info) {
+  std::string n = info.param.folder + "_" + info.param.type + "_" + info.param.mode;
+  for (auto& ch : n)
+    if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  return n;
+});
+
+TEST(GpuPlan, BudgetTooSmallIsAClearErrorBeforeLoading) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  LoadOptions lo;
+  lo.plan.vram_budget = 64ull << 20;  // 64 MiB: below the CUDA reserve alone
+  try {
+    Model::load(test::testdata("qwen3moe-tiny/qwen3moe-tiny-f32.gguf"), lo);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("too small"), std::string::npos) << e.what();
+  }
+}
+
+TEST(GpuPlan, AccountantEnforcesTheBudget) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  gpu::DeviceMemory mem(10u << 20);
+  void* a = mem.alloc(6u << 20, "first");
+  EXPECT_THROW(mem.alloc(6u << 20, "second"), Error);
+  mem.free(a);
+  void* b = mem.alloc(6u << 20, "third");
+  EXPECT_EQ(mem.used(), 6u << 20);
+  mem.free(b);
+}
+
+}  // namespace

@@ -1,0 +1,120 @@
+// The planner, without a GPU: placement order, the even spread of experts, manual rules on top, the
+// budget-too-small error, and the size / override parsers.
+#include <gtest/gtest.h>
+
+#include "model/model.h"
+#include "runtime/error.h"
+#include "runtime/machine.h"
+#include "runtime/plan.h"
+#include "testdata.h"
+
+using namespace fitmoe;
+
+namespace {
+
+std::string tiny() { return test::testdata("qwen3moe-tiny/qwen3moe-tiny-f32.gguf"); }
+
+Plan plan_for(const PlanOptions& po, uint64_t card = 8ull << 30) {
+  MachineProfile m = reference_consumer_machine(card);
+  LoadOptions lo;
+  lo.plan = po;
+  lo.plan_only = true;
+  lo.use_mmap = true;
+  lo.machine = &m;
+  return Model::load(tiny(), lo)->plan();
+}
+
+int experts_on_gpu(const Plan& p, int layer) {
+  for (auto& t : p.tensors)
+    if (t.is_experts && t.layer == layer && t.name.find("gate_exps") != std::string::npos)
+      return static_cast<int>(std::count(t.expert_on_gpu.begin(), t.expert_on_gpu.end(), true));
+  return -1;
+}
+
+}  // namespace
+
+TEST(Plan, EverythingFitsOnABigCard) {
+  PlanOptions po;
+  Plan p = plan_for(po);
+  ASSERT_TRUE(p.use_gpu);
+  EXPECT_EQ(experts_on_gpu(p, 0), 4);
+  EXPECT_EQ(experts_on_gpu(p, 1), 4);
+  EXPECT_EQ(p.host_experts, 0u);
+  EXPECT_FALSE(p.find("token_embd.weight")->on_gpu);  // rows are looked up on the host
+  EXPECT_TRUE(p.find("output.weight")->on_gpu);
+  EXPECT_TRUE(p.find("blk.0.ffn_gate_inp.weight")->on_gpu);
+  EXPECT_LE(p.gpu_total(), p.budget);
+  EXPECT_GT(p.predicted_tg, 0);
+  EXPECT_NE(p.report().find("why:"), std::string::npos);
+}
+
+TEST(Plan, ExpertsSpreadEvenlyWhenTheBudgetIsTight) {
+  PlanOptions po;
+  Plan full = plan_for(po);
+  // Room for about half of the experts: each layer gets the same number.
+  po.vram_budget = full.gpu_weights + full.gpu_kv + full.gpu_scratch + full.reserve + full.gpu_experts / 2;
+  Plan p = plan_for(po);
+  const int a = experts_on_gpu(p, 0), b = experts_on_gpu(p, 1);
+  EXPECT_GT(a, 0);
+  EXPECT_LT(a, 4);
+  EXPECT_LE(std::abs(a - b), 1);
+  EXPECT_GT(p.host_expert_bytes_per_token, 0);
+  EXPECT_LE(p.gpu_total(), p.budget);
+}
+
+TEST(Plan, ManualRulesWinOverTheAutomaticPlan) {
+  PlanOptions po;
+  po.n_cpu_moe = 1;
+  Plan p = plan_for(po);
+  EXPECT_EQ(experts_on_gpu(p, 0), 0);
+  EXPECT_EQ(experts_on_gpu(p, 1), 4);
+  po = PlanOptions();
+  po.cpu_moe = true;
+  p = plan_for(po);
+  EXPECT_EQ(experts_on_gpu(p, 0), 0);
+  EXPECT_EQ(experts_on_gpu(p, 1), 0);
+  EXPECT_TRUE(p.find("blk.1.ffn_gate_inp.weight")->on_gpu);  // routers stay on the GPU
+  po = PlanOptions();
+  po.overrides = parse_overrides({"blk\\.1\\.ffn_(up|down|gate)_exps=cpu", "output\\.weight=cpu"});
+  p = plan_for(po);
+  EXPECT_EQ(experts_on_gpu(p, 1), 0);
+  EXPECT_EQ(experts_on_gpu(p, 0), 4);
+  EXPECT_FALSE(p.find("output.weight")->on_gpu);
+}
+
+TEST(Plan, BudgetTooSmallSaysHowMuchIsNeeded) {
+  PlanOptions po;
+  po.vram_budget = 300ull << 20;
+  try {
+    plan_for(po);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    const std::string w = e.what();
+    EXPECT_NE(w.find("too small"), std::string::npos) << w;
+    EXPECT_NE(w.find("needed"), std::string::npos) << w;
+  }
+}
+
+TEST(Plan, NoGpuMeansCpuOnly) {
+  PlanOptions po;
+  po.use_gpu = false;
+  Plan p = plan_for(po);
+  EXPECT_FALSE(p.use_gpu);
+  EXPECT_EQ(p.gpu_total(), 0u);
+}
+
+TEST(Plan, ParsesSizesAndOverrides) {
+  EXPECT_EQ(parse_size("8G"), 8ull << 30);
+  EXPECT_EQ(parse_size("7.5GiB"), static_cast<uint64_t>(7.5 * (1ull << 30)));
+  EXPECT_EQ(parse_size("512M"), 512ull << 20);
+  EXPECT_THROW(parse_size("lots"), Error);
+  EXPECT_THROW(parse_size("8Q"), Error);
+  EXPECT_THROW(parse_size("-1G"), Error);
+  auto o = parse_overrides({"exps=CPU,attn=cuda0"});
+  ASSERT_EQ(o.size(), 2u);
+  EXPECT_FALSE(o[0].to_gpu);
+  EXPECT_TRUE(o[1].to_gpu);
+  EXPECT_THROW(parse_overrides({"exps"}), Error);
+  EXPECT_THROW(parse_overrides({"exps=tpu"}), Error);
+  EXPECT_THROW(parse_overrides({"(=cpu"}), Error);
+}
