@@ -25,6 +25,31 @@ if [ "$WHAT" = all ] || [ "$WHAT" = tests ]; then
   summary+=("tests: $("$BIN/fitmoe_tests" --gtest_filter='-*Tokenizer*:*Chat*:Cli.*:Gguf.ReadsEveryTestdataModel' 2>&1 | grep -E '^\[  (PASSED|FAILED)' | tr '\n' ' ')")
 fi
 
+if [ "$WHAT" = all ] || [ "$WHAT" = gpu ] || [ "$WHAT" = gputests ]; then
+  echo "== GPU tests: kernels against the CPU reference, models against the reference fixtures"
+  "$BIN/fitmoe_tests" --gtest_filter='Gpu*:*Gpu*' 2>&1 | grep -vE '^\[ RUN|^\[       OK' | tail -n 60
+  summary+=("gpu tests: $("$BIN/fitmoe_tests" --gtest_filter='Gpu*:*Gpu*' 2>&1 | grep -E '^\[  (PASSED|FAILED)' | tr '\n' ' ')")
+fi
+
+if [ "$WHAT" = all ] || [ "$WHAT" = gpu ]; then
+  [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
+  for cfg in "all-gpu|" "vram-8G|--vram 8G"; do
+    name=${cfg%%|*}; flags=${cfg#*|}
+    echo "== GPU bench: $name ($flags)"
+    "$BIN/fitmoe" bench -m "$MODEL" $flags ${GPU_BENCH_ARGS:--p 512,2048 -n 128 -r 3} --json > "$OUT/gpu-$name.json" 2> "$OUT/gpu-$name.err"
+    tail -n 3 "$OUT/gpu-$name.err"
+    python3 - "$OUT/gpu-$name.json" "$name" <<'PY'
+import json, sys
+try:
+    rows = json.load(open(sys.argv[1]))
+except Exception as e:
+    print("no result:", e); sys.exit(0)
+for r in rows:
+    print(f"{sys.argv[2]} {r['test']}: {r['avg_ts']:.2f} +- {r['stddev_ts']:.2f} tok/s")
+PY
+  done
+fi
+
 if [ "$WHAT" = all ] || [ "$WHAT" = cpu ]; then
   echo "== gen-model: full Qwen3-30B-A3B shape, Q4_K_M"
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
@@ -43,6 +68,11 @@ fi
 
 echo "== summary"
 for s in "${summary[@]}"; do echo "$s"; done
+for f in "$OUT"/gpu-*.json; do [ -f "$f" ] && python3 -c "
+import json,sys
+try: rows=json.load(open('$f'))
+except Exception: sys.exit(0)
+for r in rows: print(f\"| {r['backend']} $(basename $f .json) | {r['test']} | {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} |\")"; done
 [ -f "$OUT/cpu-bench.json" ] && python3 -c "
 import json
 for r in json.load(open('$OUT/cpu-bench.json')):

@@ -107,7 +107,18 @@ void register_bench(CLI::App& app) {
       params += static_cast<uint64_t>(t.n_elements());
     }
     const double bpt = model->bytes_per_token();
-    const std::string backend = std::string("CPU (") + quant::isa_name(quant::best_isa()) + ")";
+    const Plan& plan = model->plan();
+    const std::string backend = model->on_gpu()
+        ? "CUDA " + plan.machine.gpu_name + (plan.host_experts ? " + CPU experts" : "")
+        : std::string("CPU (") + quant::isa_name(quant::best_isa()) + ")";
+    // The physical bound of generation: bytes read per token over the bandwidth of where they live.
+    double bound = 0;
+    if (model->on_gpu()) {
+      const double gpu_bytes = bpt - plan.host_expert_bytes_per_token;
+      const double t = plan.host_expert_bytes_per_token / std::max(1.0, plan.machine.host_mem_bw) +
+                       gpu_bytes / std::max(1.0, plan.machine.gpu_mem_bw);
+      bound = t > 0 ? 1.0 / t : 0;
+    }
     const std::string name = cfg.name.empty() ? cfg.arch : cfg.name;
     if (a->json) {
       nlohmann::json out = nlohmann::json::array();
@@ -117,7 +128,9 @@ void register_bench(CLI::App& app) {
                        {"n_prompt", r.n_prompt}, {"n_gen", r.n_gen}, {"avg_ts", r.mean()},
                        {"stddev_ts", r.sd()}, {"samples_ts", r.tps},
                        {"weight_bytes_per_token", r.n_gen ? bpt : 0.0},
-                       {"weight_gbps", r.n_gen ? bpt * r.mean() / 1e9 : 0.0}});
+                       {"weight_gbps", r.n_gen ? bpt * r.mean() / 1e9 : 0.0},
+                       {"host_expert_bytes_per_token", plan.host_expert_bytes_per_token},
+                       {"tg_bound", bound}, {"plan", plan.summary_line()}});
       }
       std::printf("%s\n", out.dump(2).c_str());
       return;

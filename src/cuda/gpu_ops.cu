@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <map>
 #include <mutex>
 #include <string>
 
@@ -47,17 +48,25 @@ inline bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t
 
 const char* tname(DType t) { return dtype_name(t); }
 
-// Opt a kernel into more than 48 KiB of dynamic shared memory when it needs it.
+// Opt a kernel into more than 48 KiB of dynamic shared memory when it needs it (once per kernel, device
+// and size: later calls, e.g. while a graph is being captured, only look up the cache).
+std::mutex g_smem_mu;
+std::map<std::pair<const void*, int>, size_t> g_smem_set;
 template <class K>
 void need_smem(K kernel, size_t bytes, const char* what) {
   if (bytes <= 48 * 1024) return;
-  int dev = 0, optin = 0;
+  int dev = 0;
   cuda_ok(cudaGetDevice(&dev), what);
+  std::lock_guard<std::mutex> lock(g_smem_mu);
+  size_t& done = g_smem_set[{reinterpret_cast<const void*>(kernel), dev}];
+  if (done >= bytes) return;
+  int optin = 0;
   cuda_ok(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), what);
   if (bytes > static_cast<size_t>(optin))
     fail(std::string(what) + ": needs " + std::to_string(bytes) + " bytes of shared memory per block, the device allows " +
          std::to_string(optin));
   cuda_ok(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)), what);
+  done = bytes;
 }
 
 // ================================ device-side helpers =============================================
@@ -73,6 +82,11 @@ __device__ __forceinline__ int ld_i32(const uint8_t* p) {
   } else {
     return static_cast<int>(__byte_perm(ld_u16(p), ld_u16(p + 2), 0x5410));
   }
+}
+// 32 bytes at a 16-byte aligned address (Q4_K / Q5_K blocks are multiples of 16 bytes).
+__device__ __forceinline__ void ld_32b(const uint8_t* p, uint32_t* u) {
+  const uint4 a = reinterpret_cast<const uint4*>(p)[0], b = reinterpret_cast<const uint4*>(p)[1];
+  u[0] = a.x, u[1] = a.y, u[2] = a.z, u[3] = a.w, u[4] = b.x, u[5] = b.y, u[6] = b.z, u[7] = b.w;
 }
 __device__ __forceinline__ float h2f(uint32_t h) { return __half2float(__ushort_as_half(static_cast<unsigned short>(h))); }
 __device__ __forceinline__ uint16_t f2h_bits(float f) { return __half_as_ushort(__float2half_rn(f)); }
@@ -299,10 +313,11 @@ struct WT<DType::Q4_K> {
     k4_scale_min(b + 4, p, w.sc0, w.mn0);
     w.sc1 = w.sc0;
     w.mn1 = w.mn0;
-    const uint8_t* qs = b + 16 + 32 * (p >> 1);
+    uint32_t u[8];
+    ld_32b(b + 16 + 32 * (p >> 1), u);
     const int sh = 4 * (p & 1);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) w.q[i] = static_cast<int>((static_cast<uint32_t>(ld_i32<4>(qs + 4 * i)) >> sh) & 0x0f0f0f0fu);
+    for (int i = 0; i < 8; ++i) w.q[i] = static_cast<int>((u[i] >> sh) & 0x0f0f0f0fu);
   }
 };
 template <>
@@ -316,12 +331,14 @@ struct WT<DType::Q5_K> {
     k4_scale_min(b + 4, p, w.sc0, w.mn0);
     w.sc1 = w.sc0;
     w.mn1 = w.mn0;
-    const uint8_t* qs = b + 48 + 32 * (p >> 1);
+    uint32_t u[8], hb[8];
+    ld_32b(b + 48 + 32 * (p >> 1), u);
+    ld_32b(b + 16, hb);
     const int sh = 4 * (p & 1);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const uint32_t v = (static_cast<uint32_t>(ld_i32<4>(qs + 4 * i)) >> sh) & 0x0f0f0f0fu;
-      const uint32_t h = (static_cast<uint32_t>(ld_i32<4>(b + 16 + 4 * i)) >> p) & 0x01010101u;
+      const uint32_t v = (u[i] >> sh) & 0x0f0f0f0fu;
+      const uint32_t h = (hb[i] >> p) & 0x01010101u;
       w.q[i] = static_cast<int>(v | (h << 4));
     }
   }
@@ -697,7 +714,9 @@ void launch_mvf(const MvArgs& a, unsigned n_slots, bool vec, cudaStream_t s) {
 // Natural alignment of the type's blocks (the decoders' widest loads).
 int weight_align(DType t) {
   switch (t) {
-    case DType::Q4_1: case DType::Q5_1: case DType::Q2_K: case DType::Q4_K: case DType::Q5_K: case DType::IQ4_XS:
+    case DType::Q4_K: case DType::Q5_K:
+      return 16;
+    case DType::Q4_1: case DType::Q5_1: case DType::Q2_K: case DType::IQ4_XS:
       return 4;
     case DType::F32: return 4;
     default: return 2;
@@ -1107,7 +1126,9 @@ struct AttnArgs {
   float* out;
   int64_t ld_out;
   // decode (split-K) only
-  int keys_max, L, n_splits;
+  int keys_max;
+  int L_max;      // longest split the launch allows for (shared memory sizing)
+  int n_splits;   // splits launched (grid.x) and the stride of st_m / st_l / opart
   float* S;       // [n_tokens][n_head][keys_max] scaled scores
   float* st_m;    // [n_tokens][n_head][n_splits] split maxima
   double* st_l;   // [n_tokens][n_head][n_splits] sum of exp(s - split max)
@@ -1121,6 +1142,18 @@ constexpr int kDecThreads = 128;
 
 __device__ __forceinline__ int attn_pos0(const AttnArgs& a) { return a.pos_dev ? a.pos_dev[0] : a.pos0; }
 
+// Keys per split for n_keys keys: at most kMaxSplits splits of at least 64 keys (a multiple of 32).
+__host__ __device__ __forceinline__ int split_len(int n_keys) {
+  const int per = (n_keys + kMaxSplits - 1) / kMaxSplits;
+  const int l = (per + 31) / 32 * 32;
+  return l > 64 ? l : 64;
+}
+// The split length of a decode launch, from the real number of keys (graph-captured launches are sized
+// for n_kv_max but split what is actually there).
+__device__ __forceinline__ int dec_split_len(const AttnArgs& a) {
+  return split_len(min(attn_pos0(a) + a.n_tokens, a.keys_max));
+}
+
 template <typename T>
 __device__ __forceinline__ float2 ld_pair(const T* p);
 template <>
@@ -1132,6 +1165,20 @@ __device__ __forceinline__ float2 ld_pair<float>(const float* p) {
   return *reinterpret_cast<const float2*>(p);
 }
 
+// 16 bytes of cache elements to floats, in registers.
+__device__ __forceinline__ void unpack16(const uint4 raw, float (&out)[8]) {
+  const uint32_t u[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    out[2 * k] = h2f(u[k] & 0xffffu);
+    out[2 * k + 1] = h2f(u[k] >> 16);
+  }
+}
+__device__ __forceinline__ void unpack16(const uint4 raw, float (&out)[4]) {
+  out[0] = __uint_as_float(raw.x), out[1] = __uint_as_float(raw.y), out[2] = __uint_as_float(raw.z),
+  out[3] = __uint_as_float(raw.w);
+}
+
 // Decode pass 1: scores of the group's query heads against the split's keys, in the canonical order
 // of the reference's f16/f32 dot product: 16 lanes (lane i takes elements i, i+16, ...) with fma,
 // then folded 16 -> 8 -> 4 -> 2 -> 1. Four threads share a key; thread c holds the lanes 2c, 2c+1,
@@ -1141,7 +1188,8 @@ __global__ void __launch_bounds__(kDecThreads) attn_dec_scores_kernel(const Attn
   extern __shared__ float qs[];  // [group][hdp]
   const int sp = blockIdx.x, g = blockIdx.y, t = blockIdx.z, tid = threadIdx.x;
   const int nvis = min(attn_pos0(a) + t + 1, a.keys_max);
-  const int k0 = sp * a.L, k1 = min(k0 + a.L, nvis);
+  const int L = dec_split_len(a);
+  const int k0 = sp * L, k1 = min(k0 + L, nvis);
   const int hb = g * a.group;
   const size_t st0 = (static_cast<size_t>(t) * a.n_head + hb) * a.n_splits + sp;
   if (k0 >= nvis) {
@@ -1221,9 +1269,10 @@ __global__ void __launch_bounds__(kDecThreads) attn_dec_pv_kernel(const AttnArgs
   const int sp = blockIdx.x, g = blockIdx.y, t = blockIdx.z, tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
   const int nvis = min(attn_pos0(a) + t + 1, a.keys_max);
-  const int k0 = sp * a.L, k1 = min(k0 + a.L, nvis);
+  const int L = dec_split_len(a);
+  const int k0 = sp * L, k1 = min(k0 + L, nvis);
   if (k0 >= nvis) return;
-  const int n_act = min((nvis + a.L - 1) / a.L, a.n_splits);
+  const int n_act = min((nvis + L - 1) / L, a.n_splits);
   const int hb = g * a.group;
   for (int h = warp; h < a.group; h += kDecThreads / 32) {
     const size_t sb = (static_cast<size_t>(t) * a.n_head + hb + h) * a.n_splits;
@@ -1238,34 +1287,37 @@ __global__ void __launch_bounds__(kDecThreads) attn_dec_pv_kernel(const AttnArgs
     tot = warp_sum(tot);
     const float inv = static_cast<float>(1.0 / tot);
     const float* s = a.S + (static_cast<size_t>(t) * a.n_head + hb + h) * a.keys_max;
-    for (int i = lane; i < a.L; i += 32) {
+    for (int i = lane; i < L; i += 32) {
       const int j = k0 + i;
-      P[h * a.L + i] = j < k1 ? round_cache<T>(__fmul_rn(expf(__fsub_rn(s[j], M)), inv)) : 0.0f;
+      P[h * L + i] = j < k1 ? round_cache<T>(__fmul_rn(expf(__fsub_rn(s[j], M)), inv)) : 0.0f;
     }
   }
   __syncthreads();
   constexpr int E = 16 / sizeof(T);
   const int len = k1 - k0;
   const T* vbase = reinterpret_cast<const T*>(a.v) + static_cast<size_t>(g) * a.hdv * a.n_ctx + k0;
-  // Each warp takes 4 rows of V^T at a time (loads of all four in flight together), 4 heads at a time.
-  for (int d0 = warp * 4; d0 < a.hdv; d0 += 4 * (kDecThreads / 32)) {
+  // lpr lanes share a row of V^T (enough to cover the split in one sweep of E-element vectors); each
+  // lane takes 4 rows (their loads in flight together) and 4 heads at a time.
+  int lpr = 1;
+  while (lpr < 32 && lpr * E < L) lpr <<= 1;
+  const int sub = lane / lpr, li = lane % lpr;
+  const int rows_per_warp = (32 / lpr) * 4;
+  for (int d0 = warp * rows_per_warp; d0 < a.hdv; d0 += rows_per_warp * (kDecThreads / 32)) {
+    const int dr = d0 + sub * 4;  // this lane's first row
     for (int hc = 0; hc < a.group; hc += 4) {
       float acc[4][4];
 #pragma unroll
       for (int r = 0; r < 4; ++r)
 #pragma unroll
         for (int h = 0; h < 4; ++h) acc[r][h] = 0.0f;
-      for (int i0 = lane * E; i0 < len; i0 += 32 * E) {
+      for (int i0 = li * E; i0 < len; i0 += lpr * E) {
         float vv[4][E];
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-          const int d = d0 + r;
+          const int d = dr + r;
           const T* vr = vbase + static_cast<size_t>(d < a.hdv ? d : 0) * a.n_ctx + i0;
           if (d < a.hdv && a.v_vec && i0 + E <= len) {
-            const uint4 raw = *reinterpret_cast<const uint4*>(vr);
-            const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-            for (int k = 0; k < E; ++k) vv[r][k] = from_cache(e[k]);
+            unpack16(*reinterpret_cast<const uint4*>(vr), vv[r]);
           } else {
 #pragma unroll
             for (int k = 0; k < E; ++k) vv[r][k] = (d < a.hdv && i0 + k < len) ? from_cache(vr[k]) : 0.0f;
@@ -1274,7 +1326,7 @@ __global__ void __launch_bounds__(kDecThreads) attn_dec_pv_kernel(const AttnArgs
 #pragma unroll
         for (int h = 0; h < 4; ++h) {
           if (hc + h < a.group) {
-            const float* ph = P + (hc + h) * a.L + i0;
+            const float* ph = P + (hc + h) * L + i0;
 #pragma unroll
             for (int k = 0; k < E; ++k) {
               const float pk = ph[k];
@@ -1288,10 +1340,11 @@ __global__ void __launch_bounds__(kDecThreads) attn_dec_pv_kernel(const AttnArgs
       for (int r = 0; r < 4; ++r) {
 #pragma unroll
         for (int h = 0; h < 4; ++h) {
-          const float v = warp_sum(acc[r][h]);
-          const int d = d0 + r, head = hb + hc + h;
-          if (lane == 0 && d < a.hdv && hc + h < a.group) {
-            if (a.n_splits == 1) {
+          float v = acc[r][h];
+          for (int o = lpr / 2; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+          const int d = dr + r, head = hb + hc + h;
+          if (li == 0 && d < a.hdv && hc + h < a.group) {
+            if (n_act == 1) {
               a.out[t * a.ld_out + static_cast<int64_t>(head) * a.hdv + d] = v;
             } else {
               a.opart[((static_cast<size_t>(t) * a.n_head + head) * a.n_splits + sp) * a.hdv + d] = v;
@@ -1307,7 +1360,9 @@ __global__ void __launch_bounds__(kDecThreads) attn_dec_pv_kernel(const AttnArgs
 __global__ void attn_dec_combine_kernel(const AttnArgs a) {
   const int h = blockIdx.x, t = blockIdx.y;
   const int nvis = min(attn_pos0(a) + t + 1, a.keys_max);
-  const int n_act = min((nvis + a.L - 1) / a.L, a.n_splits);
+  const int L = dec_split_len(a);
+  const int n_act = min((nvis + L - 1) / L, a.n_splits);
+  if (n_act == 1) return;  // pass 2 wrote the output itself
   const float* src = a.opart + (static_cast<size_t>(t) * a.n_head + h) * a.n_splits * a.hdv;
   for (int d = threadIdx.x; d < a.hdv; d += blockDim.x) {
     float o = 0.0f;
@@ -1531,15 +1586,15 @@ __global__ void __launch_bounds__(kPThreads, 2) attn_prefill_kernel(const AttnAr
 }
 
 struct DecodeLayout {
-  int keys_max, L, n_splits;
+  int keys_max, L_max, n_splits;
   size_t off_m, off_l, off_o, total;
 };
 DecodeLayout decode_layout(int n_tokens, int keys_max, int n_head, int hdv) {
   DecodeLayout d{};
   d.keys_max = std::max(keys_max, 1);
-  const int per = (d.keys_max + kMaxSplits - 1) / kMaxSplits;
-  d.L = std::max(64, (per + 31) / 32 * 32);
-  d.n_splits = (d.keys_max + d.L - 1) / d.L;
+  d.L_max = split_len(d.keys_max);
+  // enough splits for any real key count <= keys_max (its split length may be as short as 64)
+  d.n_splits = std::min(kMaxSplits, (d.keys_max + 63) / 64);
   const size_t rows = static_cast<size_t>(n_tokens) * n_head;
   d.off_m = align256(rows * d.keys_max * sizeof(float));
   d.off_l = d.off_m + align256(rows * kMaxSplits * sizeof(float));
@@ -1555,7 +1610,7 @@ void launch_attention(AttnArgs& a, void* scratch, size_t scratch_bytes, cudaStre
     if (!scratch || scratch_bytes < d.total)
       fail("attention: scratch of " + std::to_string(scratch_bytes) + " bytes, needs " + std::to_string(d.total));
     uint8_t* base = static_cast<uint8_t*>(scratch);
-    a.L = d.L;
+    a.L_max = d.L_max;
     a.n_splits = d.n_splits;
     a.S = reinterpret_cast<float*>(base);
     a.st_m = reinterpret_cast<float*>(base + d.off_m);
@@ -1572,7 +1627,7 @@ void launch_attention(AttnArgs& a, void* scratch, size_t scratch_bytes, cudaStre
       attn_dec_scores_kernel<T, 16><<<grid, kDecThreads, smem1, s>>>(a);
     }
     launched("attention (scores)");
-    const size_t smem2 = static_cast<size_t>(a.group) * d.L * sizeof(float);
+    const size_t smem2 = static_cast<size_t>(a.group) * d.L_max * sizeof(float);
     need_smem(attn_dec_pv_kernel<T>, smem2, "attention");
     attn_dec_pv_kernel<T><<<grid, kDecThreads, smem2, s>>>(a);
     launched("attention (P.V)");
@@ -1771,18 +1826,29 @@ void copy_rows(const float* src, int64_t ld_src, const int32_t* src_rows, float*
   launched("copy_rows");
 }
 
+// Scratch of matmul: an f16 (bf16) copy of up to 64 MiB of the matrix's rows -- the space holds the
+// dequantized weight tile and the converted activations, in whatever split fits (see plan below).
 size_t dequant_scratch_bytes(const DevMatrix& w) {
-  if (is_float_type(w.type)) return 0;
-  return align256(static_cast<size_t>(tile_rows(w)) * static_cast<size_t>(w.cols) * 2);
+  if (w.type == DType::F32) return 0;
+  const size_t row_b = static_cast<size_t>(w.cols) * 2;
+  return align256(static_cast<size_t>(tile_rows(w)) * row_b) + align256(row_b);  // + room for one token
 }
 
 size_t matmul_scratch_bytes(const DevMatrix& w, int n_tokens) {
-  const size_t acts = w.type == DType::F32 ? 0 : align256(static_cast<size_t>(n_tokens) * w.cols * 2);
-  return dequant_scratch_bytes(w) + acts;
+  if (w.type == DType::F32) return 0;
+  const size_t row_b = static_cast<size_t>(w.cols) * 2;
+  const size_t acts = align256(static_cast<size_t>(std::max(n_tokens, 1)) * row_b);
+  if (is_float_type(w.type)) return acts;  // F16 / BF16 weights are used in place
+  return acts + static_cast<size_t>(tile_rows(w)) * row_b;
 }
 
 void matmul(const DevMatrix& w, int64_t mat, const float* x, int64_t ld_x, int n_tokens, float* y, int64_t ld_y,
             void* scratch, Stream s) {
+  matmul(w, mat, x, ld_x, n_tokens, y, ld_y, scratch, dequant_scratch_bytes(w), s);
+}
+
+void matmul(const DevMatrix& w, int64_t mat, const float* x, int64_t ld_x, int n_tokens, float* y, int64_t ld_y,
+            void* scratch, size_t scratch_bytes, Stream s) {
   if (n_tokens <= 0) return;
   check_weight(w, "matmul");
   if (mat < 0 || mat >= w.n_mats) fail("matmul: matrix index out of range");
@@ -1790,49 +1856,74 @@ void matmul(const DevMatrix& w, int64_t mat, const float* x, int64_t ld_x, int n
   cublasHandle_t h = blas_handle();
   blas_ok(cublasSetStream(h, st), "cublasSetStream");
   const uint8_t* base = w.data + static_cast<size_t>(mat) * w.mat_bytes;
-  const int m = static_cast<int>(w.rows), k = static_cast<int>(w.cols), nt = n_tokens;
+  const int64_t rows = w.rows;
+  const int k = static_cast<int>(w.cols);
   const float one = 1.0f, zero = 0.0f;
   if (w.type == DType::F32) {
     // SGEMM in f32 (pedantic: no TF32, no reduced-precision tricks)
-    blas_ok(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, nt, k, &one, base, CUDA_R_32F, k, x, CUDA_R_32F,
-                         static_cast<int>(ld_x), &zero, y, CUDA_R_32F, static_cast<int>(ld_y), CUBLAS_COMPUTE_32F_PEDANTIC,
-                         CUBLAS_GEMM_DEFAULT),
+    blas_ok(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rows), n_tokens, k, &one, base, CUDA_R_32F, k, x,
+                         CUDA_R_32F, static_cast<int>(ld_x), &zero, y, CUDA_R_32F, static_cast<int>(ld_y),
+                         CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT),
             "matmul (f32)");
     launched("matmul");
     return;
   }
   if (!scratch || !aligned(scratch, 16)) fail("matmul: a 16-byte aligned scratch is required");
   uint8_t* sc = static_cast<uint8_t*>(scratch);
-  const size_t wbytes = dequant_scratch_bytes(w);
-  void* xa = sc + wbytes;
-  if (w.type == DType::BF16) {
-    launch_convert<1>(x, k, nt, ld_x, xa, k, st);
+  const size_t row_b = static_cast<size_t>(k) * 2;
+  const bool bf = w.type == DType::BF16;
+  const cudaDataType_t ab_type = bf ? CUDA_R_16BF : CUDA_R_16F;
+  auto convert = [&](int t0, int nc) {
+    if (bf) launch_convert<1>(x + t0 * ld_x, k, nc, ld_x, sc, k, st);
+    else launch_convert<0>(x + t0 * ld_x, k, nc, ld_x, sc, k, st);
     launched("matmul (convert)");
-    blas_ok(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, nt, k, &one, base, CUDA_R_16BF, k, xa, CUDA_R_16BF, k, &zero, y,
-                         CUDA_R_32F, static_cast<int>(ld_y), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-            "matmul (bf16)");
+  };
+  auto gemm = [&](const void* a, int64_t nr, int t0, int nc, int64_t r0) {
+    blas_ok(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(nr), nc, k, &one, a, ab_type, k, sc, ab_type, k,
+                         &zero, y + t0 * ld_y + r0, CUDA_R_32F, static_cast<int>(ld_y), CUBLAS_COMPUTE_32F,
+                         CUBLAS_GEMM_DEFAULT),
+            "matmul (gemm)");
+  };
+  if (is_float_type(w.type)) {
+    // F16 / BF16 weights in place; the activations, converted, in token chunks that fit the scratch.
+    const int tc = static_cast<int>(std::min<size_t>(n_tokens, scratch_bytes / row_b));
+    if (tc < 1) fail("matmul: scratch of " + std::to_string(scratch_bytes) + " bytes is too small");
+    for (int t0 = 0; t0 < n_tokens; t0 += tc) {
+      const int nc = std::min(tc, n_tokens - t0);
+      convert(t0, nc);
+      gemm(base, rows, t0, nc, 0);
+    }
     launched("matmul");
     return;
   }
-  launch_convert<0>(x, k, nt, ld_x, xa, k, st);
-  launched("matmul (convert)");
-  if (w.type == DType::F16) {
-    blas_ok(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, nt, k, &one, base, CUDA_R_16F, k, xa, CUDA_R_16F, k, &zero, y,
-                         CUDA_R_32F, static_cast<int>(ld_y), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-            "matmul (f16)");
-    launched("matmul");
-    return;
+  // Quantized: [activations, tc tokens][weight tile, tr rows]. All tokens with the whole matrix (up to
+  // 64 MiB) when that fits, else all tokens with as many rows as fit (at least 256), else half-and-half.
+  const int64_t rows_t = std::min(rows, tile_rows(w));
+  auto rows_fitting = [&](int tc) -> int64_t {
+    const size_t a = align256(static_cast<size_t>(tc) * row_b);
+    return scratch_bytes > a ? static_cast<int64_t>((scratch_bytes - a) / row_b) : 0;
+  };
+  int tc = n_tokens;
+  if (rows_fitting(tc) < std::min<int64_t>(rows_t, 256)) {
+    const int64_t total = static_cast<int64_t>(scratch_bytes / row_b);
+    tc = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(n_tokens, total / 2 - 1)));
+    if (rows_fitting(tc) < 1) tc = 1;
   }
-  __half* wt = reinterpret_cast<__half*>(sc);
-  const int64_t tr = tile_rows(w);
-  for (int64_t r0 = 0; r0 < w.rows; r0 += tr) {
-    const int64_t nr = std::min(tr, w.rows - r0);
+  const int64_t tr = std::min(rows_t, rows_fitting(tc));
+  if (tr < 1) fail("matmul: scratch of " + std::to_string(scratch_bytes) + " bytes is too small");
+  __half* wt = reinterpret_cast<__half*>(sc + align256(static_cast<size_t>(tc) * row_b));
+  const bool all_tokens = tc >= n_tokens;
+  if (all_tokens) convert(0, n_tokens);
+  for (int64_t r0 = 0; r0 < rows; r0 += tr) {
+    const int64_t nr = std::min(tr, rows - r0);
     launch_dequant<__half>(w.type, base + static_cast<size_t>(r0) * w.row_bytes, w.row_bytes, nr, w.cols, nullptr, 0, wt,
                            w.cols, st);
     launched("matmul (dequantize)");
-    blas_ok(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(nr), nt, k, &one, wt, CUDA_R_16F, k, xa, CUDA_R_16F,
-                         k, &zero, y + r0, CUDA_R_32F, static_cast<int>(ld_y), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-            "matmul (f16)");
+    for (int t0 = 0; t0 < n_tokens; t0 += tc) {
+      const int nc = std::min(tc, n_tokens - t0);
+      if (!all_tokens) convert(t0, nc);
+      gemm(wt, nr, t0, nc, r0);
+    }
   }
   launched("matmul");
 }
@@ -1858,9 +1949,11 @@ void kv_store(const DevKv& kv, const int32_t* pos, int n_tokens, const float* k,
   launched("kv_store");
 }
 
+// Enough for any call with up to n_tokens queries: only calls of <= kDecodeMaxTokens use scratch (the
+// split-K decode path), and its size grows with the token count.
 size_t attention_scratch_bytes(int n_tokens, int n_kv_max, int n_head, int head_dim_v) {
-  if (n_tokens > kDecodeMaxTokens || n_tokens <= 0) return 0;
-  return decode_layout(n_tokens, n_kv_max, n_head, head_dim_v).total;
+  if (n_tokens <= 0) return 0;
+  return decode_layout(std::min(n_tokens, kDecodeMaxTokens), n_kv_max, n_head, head_dim_v).total;
 }
 
 void attention(const float* q, int64_t ld_q, const DevKv& kv, int pos0, const int32_t* pos_dev, int n_tokens,

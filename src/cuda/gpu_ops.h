@@ -74,11 +74,14 @@ void copy_rows(const float* src, int64_t ld_src, const int32_t* src_rows, float*
 size_t dequant_scratch_bytes(const DevMatrix& w);
 void matmul(const DevMatrix& w, int64_t mat, const float* x, int64_t ld_x, int n_tokens, float* y, int64_t ld_y,
             void* scratch, Stream s);
-// (added by the kernels) What matmul really needs in `scratch`: dequant_scratch_bytes(w) (the f16 weight
-// tile: whole matrices up to 64 MiB, larger ones in row tiles of that size; 0 for F32/F16/BF16) followed
-// by the activations converted to f16/bf16 (n_tokens * cols * 2 bytes; none for F32 weights).
-// scratch must be 16-byte aligned.
+// (added by the kernels) The scratch holds the dequantized f16 weights and the activations converted to
+// f16 (bf16 for BF16 weights), 16-byte aligned. matmul works with any size from dequant_scratch_bytes(w)
+// (an f16 copy of up to 64 MiB of the rows; 0 for F32): it tiles weight rows and chunks tokens to fit.
+// The overload with scratch_bytes uses all of a larger scratch; matmul_scratch_bytes(w, n_tokens) is the
+// size for one dequantization of the whole matrix (up to 64 MiB of it) and one GEMM over all the tokens.
 size_t matmul_scratch_bytes(const DevMatrix& w, int n_tokens);
+void matmul(const DevMatrix& w, int64_t mat, const float* x, int64_t ld_x, int n_tokens, float* y, int64_t ld_y,
+            void* scratch, size_t scratch_bytes, Stream s);
 
 // ---- attention ------------------------------------------------------------------------------------
 // Cache of one layer, as cpu::KvView: K rows [pos][n_head_kv * head_dim], V transposed

@@ -338,22 +338,10 @@ class Qwen3Gpu final : public GpuRunner {
     matmul_chunked(st, m, 0, x, m.cols, nt, y, ld_y);
   }
 
-  // Large products through dequantize + cuBLAS, in row chunks that fit the dequantization scratch.
+  // Large products through dequantize + cuBLAS (gpu::matmul tiles rows and tokens to the scratch).
   void matmul_chunked(GpuState& st, const DevMatrix& m, int64_t mat, const float* x, int64_t ld_x, int nt, float* y,
                       int64_t ld_y) {
-    DevMatrix one = m;
-    one.data = m.data + m.mat_bytes * mat;
-    one.n_mats = 1;
-    const size_t per_row = gpu::dequant_scratch_bytes(DevMatrix{m.type, m.cols, 1, 1, m.row_bytes, m.row_bytes, nullptr});
-    int64_t chunk = std::max<int64_t>(1, static_cast<int64_t>(st.dequant_bytes / std::max<size_t>(per_row, 1)));
-    chunk = std::min(chunk, m.rows);
-    for (int64_t r0 = 0; r0 < m.rows; r0 += chunk) {
-      DevMatrix part = one;
-      part.rows = std::min(chunk, m.rows - r0);
-      part.data = one.data + m.row_bytes * r0;
-      part.mat_bytes = m.row_bytes * part.rows;
-      gpu::matmul(part, 0, x, ld_x, nt, y + r0, ld_y, st.dequant, stream_);
-    }
+    gpu::matmul(m, mat, x, ld_x, nt, y, ld_y, st.dequant, st.dequant_bytes, stream_);
   }
 
   void micro_batch(GpuState& st, ThreadPool& pool, std::span<const int32_t> tokens, int pos0, int n_out, float* logits) {

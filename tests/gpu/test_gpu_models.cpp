@@ -5,6 +5,7 @@
 
 #include "cuda/device.h"
 #include "reference_check.h"
+#include "runtime/error.h"
 #include "runtime/machine.h"
 
 using namespace fitmoe;

@@ -1,0 +1,738 @@
+// The CUDA op set (src/cuda/gpu_ops.h) against the CPU reference on fresh random inputs: activation
+// quantizers byte for byte, integer mat-vec products against quant::vec_dot_ref, prefill matmul
+// against a double-precision product of the f16-rounded operands, the elementwise ops, routing and
+// attention against src/runtime/cpu_ops. Every output buffer is poisoned (NaN bytes) before a run so
+// that a value the kernel forgot to write, or a read of memory it must not touch, shows up.
+// Skipped (not failed) when the machine has no CUDA device.
+#include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/gpu_ops.h"
+#include "quant/dtype.h"
+#include "quant/kernels.h"
+#include "runtime/cpu_ops.h"
+#include "runtime/error.h"
+#include "runtime/thread_pool.h"
+
+namespace fitmoe::gpu {
+namespace {
+
+bool has_device() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return n > 0;
+}
+
+void ck(cudaError_t e, const char* what) {
+  ASSERT_EQ(e, cudaSuccess) << what << ": " << cudaGetErrorString(e);
+}
+
+constexpr uint8_t kPoison = 0xff;  // NaN as f32 (0xffffffff) and as f16 (0xffff)
+
+// A device buffer, poisoned at creation.
+class Dev {
+ public:
+  explicit Dev(size_t n) : n_(std::max<size_t>(n, 1)) {
+    if (cudaMalloc(&p_, n_) != cudaSuccess) throw Error("cudaMalloc failed");
+    poison();
+  }
+  ~Dev() { cudaFree(p_); }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  void poison() { cudaMemset(p_, kPoison, n_); }
+  template <class T = void>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+  uint8_t* bytes() const { return static_cast<uint8_t*>(p_); }
+  size_t size() const { return n_; }
+  void up(const void* src, size_t n, size_t off = 0) { cudaMemcpy(static_cast<uint8_t*>(p_) + off, src, n, cudaMemcpyHostToDevice); }
+  template <class T>
+  std::vector<T> down(size_t count) const {
+    std::vector<T> v(count);
+    cudaMemcpy(v.data(), p_, count * sizeof(T), cudaMemcpyDeviceToHost);
+    return v;
+  }
+
+ private:
+  void* p_ = nullptr;
+  size_t n_;
+};
+
+template <class T>
+std::unique_ptr<Dev> upload(const std::vector<T>& v) {
+  auto d = std::make_unique<Dev>(v.size() * sizeof(T));
+  d->up(v.data(), v.size() * sizeof(T));
+  return d;
+}
+
+// A fresh stream per test (the ops must honour it).
+class GpuOps : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!has_device()) GTEST_SKIP() << "no CUDA device on this machine";
+    ASSERT_EQ(cudaStreamCreate(&stream_), cudaSuccess);
+  }
+  void TearDown() override {
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+  Stream s() const { return static_cast<Stream>(stream_); }
+  void sync() {
+    ck(cudaStreamSynchronize(stream_), "stream");
+    ck(cudaGetLastError(), "last error");
+  }
+  cudaStream_t stream_ = nullptr;
+};
+
+std::vector<float> randn(size_t n, uint64_t seed, float sd = 1.0f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, sd);
+  std::vector<float> v(n);
+  for (auto& x : v) x = nd(rng);
+  return v;
+}
+
+uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+bool is_poison(float f) { return bits(f) == 0xffffffffu; }
+
+const DType kWeightTypes[] = {DType::F32,  DType::F16,  DType::BF16, DType::Q4_0, DType::Q4_1,
+                              DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q2_K, DType::Q3_K,
+                              DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS};
+
+struct HostMatrix {
+  DType type;
+  int64_t rows, cols, n_mats;
+  size_t rb;
+  std::vector<uint8_t> data;
+  const uint8_t* row(int64_t mat, int64_t r) const { return data.data() + (mat * rows + r) * rb; }
+};
+HostMatrix random_matrix(DType t, int64_t rows, int64_t cols, int64_t n_mats, uint64_t seed) {
+  HostMatrix m{t, rows, cols, n_mats, row_bytes(t, cols), {}};
+  m.data.resize(m.rb * rows * n_mats);
+  quant::fill_random_rows(t, m.data.data(), rows * n_mats, cols, 0.05f, seed);
+  return m;
+}
+DevMatrix dev_matrix(const HostMatrix& h, const Dev& d) {
+  DevMatrix m;
+  m.type = h.type;
+  m.cols = h.cols;
+  m.rows = h.rows;
+  m.n_mats = h.n_mats;
+  m.row_bytes = h.rb;
+  m.mat_bytes = h.rb * h.rows;
+  m.data = d.bytes();
+  return m;
+}
+
+// Activation rows in the weight's activation format, converted on the host by the reference.
+std::vector<uint8_t> host_acts(DType act, const std::vector<float>& x, int64_t n, int rows) {
+  const size_t stride = row_bytes(act, n);
+  std::vector<uint8_t> a(stride * rows);
+  for (int r = 0; r < rows; ++r) quant::quantize_act_row_ref(act, x.data() + r * n, a.data() + r * stride, n);
+  return a;
+}
+
+// sum_j |w_j * a_j| of the decoded operands: the scale of a dot product's rounding error.
+double sum_abs_product(DType w, const void* wrow, DType act, const void* arow, int64_t n) {
+  std::vector<float> wf(n), af(n);
+  quant::dequantize_row_ref(w, wrow, wf.data(), n);
+  quant::dequantize_row_ref(act, arow, af.data(), n);
+  double s = 0;
+  for (int64_t i = 0; i < n; ++i) s += std::fabs(static_cast<double>(wf[i]) * af[i]);
+  return s;
+}
+
+// ================================ activation quantizers ===========================================
+
+TEST_F(GpuOps, QuantizeActsByteExact) {
+  const DType acts[] = {DType::Q8_0, DType::Q8_1, DType::Q8_K, DType::F16, DType::BF16, DType::F32};
+  for (DType act : acts) {
+    for (int64_t n : {256, 4096}) {
+      const int rows = 5;
+      const int64_t ld = n + 32;
+      std::vector<float> x = randn(static_cast<size_t>(ld) * rows, 1000 + n + static_cast<int>(act));
+      // special rows: an all-zero block, exact ties of |max| with both signs, huge and tiny values,
+      // values on rounding midpoints of the f16 / bf16 grids
+      for (int i = 0; i < 256; ++i) x[1 * ld + i] = 0.0f;
+      x[2 * ld + 3] = -9.5f, x[2 * ld + 7] = 9.5f, x[2 * ld + 40] = -9.5f;
+      x[2 * ld + 300 % n] = 1e-30f;
+      x[3 * ld + 5] = 3e4f, x[3 * ld + 6] = -7e-6f, x[3 * ld + 9] = 1.0f + 1.0f / 2048.0f;  // f16 midpoint
+      x[3 * ld + 10] = 1.0f + 1.0f / 256.0f;                                                // bf16 midpoint
+      // amax 127: scale 1, so these land exactly on rounding midpoints
+      x[4 * ld + 0] = 127.0f, x[4 * ld + 1] = 63.5f, x[4 * ld + 2] = -62.5f, x[4 * ld + 3] = 0.5f, x[4 * ld + 4] = -1.5f;
+      std::vector<uint8_t> ref(act_bytes(act, n, rows));
+      const size_t stride = row_bytes(act, n);
+      for (int r = 0; r < rows; ++r) quant::quantize_act_row_ref(act, x.data() + r * ld, ref.data() + r * stride, n);
+      auto dx = upload(x);
+      Dev out(act_bytes(act, n, rows));
+      quantize_acts(act, dx->as<float>(), n, rows, ld, out.as(), s());
+      sync();
+      auto got = out.down<uint8_t>(ref.size());
+      size_t first_bad = ref.size();
+      for (size_t i = 0; i < ref.size(); ++i)
+        if (got[i] != ref[i]) {
+          first_bad = i;
+          break;
+        }
+      EXPECT_EQ(first_bad, ref.size()) << dtype_name(act) << " n=" << n << ": first differing byte " << first_bad
+                                       << " (row " << first_bad / stride << ")";
+    }
+  }
+}
+
+// ================================ mat-vec =========================================================
+
+struct MvShape {
+  int64_t n, rows;
+  std::vector<int> tokens;
+};
+
+void run_matvec_case(Stream s, DType t, int64_t n, int64_t rows, int nt, uint64_t seed,
+                     std::function<void()> sync) {
+  const DType act = dtype_info(t).act_type;
+  HostMatrix hw = random_matrix(t, rows, n, 1, seed);
+  Dev dw(hw.data.size());
+  dw.up(hw.data.data(), hw.data.size());
+  std::vector<float> x = randn(static_cast<size_t>(n) * nt, seed * 7 + 1);
+  std::vector<uint8_t> ha = host_acts(act, x, n, nt);
+  auto da = upload(ha);
+  const int64_t ld_y = rows + 5;
+  Dev dy(static_cast<size_t>(ld_y) * nt * sizeof(float));
+  matvec(dev_matrix(hw, dw), da->as(), nt, dy.as<float>(), ld_y, s);
+  sync();
+  auto y = dy.down<float>(static_cast<size_t>(ld_y) * nt);
+  const size_t astride = row_bytes(act, n);
+  int bad = 0;
+  for (int tk = 0; tk < nt; ++tk) {
+    for (int64_t r = 0; r < ld_y; ++r) {
+      const float got = y[tk * ld_y + r];
+      if (r >= rows) {
+        if (!is_poison(got) && bad++ < 5) ADD_FAILURE() << dtype_name(t) << ": wrote past the rows at " << r;
+        continue;
+      }
+      const uint8_t* arow = ha.data() + tk * astride;
+      const float ref = quant::vec_dot_ref(t, n, hw.row(0, r), arow);
+      const double scale = sum_abs_product(t, hw.row(0, r), act, arow, n);
+      if (!(std::fabs(got - ref) <= 1e-5 * scale + 1e-30) && bad++ < 5)
+        ADD_FAILURE() << dtype_name(t) << " n=" << n << " rows=" << rows << " tokens=" << nt << ": row " << r << " token "
+                      << tk << " got " << got << " want " << ref << " (scale " << scale << ")";
+    }
+  }
+}
+
+TEST_F(GpuOps, MatvecEveryTypeMatchesVecDotRef) {
+  for (DType t : kWeightTypes) {
+    const int bs = dtype_info(t).block_size;
+    std::vector<MvShape> shapes = {{256, 3, {1, 8}}, {2304, 37, {1, 2, 3}}, {4096, 67, {1, 2, 3, 4, 5, 6, 7, 8}}};
+    if (bs <= 32) shapes.push_back({160, 129, {1, 4}});           // a partial warp of blocks, odd rows
+    if (bs == 1) shapes.push_back({100, 9, {1, 3}});              // float types: the unaligned tail path
+    uint64_t seed = 17 + static_cast<uint64_t>(t) * 1000;
+    for (const auto& sh : shapes)
+      for (int nt : sh.tokens) run_matvec_case(s(), t, sh.n, sh.rows, nt, seed++, [this] { sync(); });
+  }
+}
+
+TEST_F(GpuOps, MatvecExpertsSelectsMatricesAndSkipsHostExperts) {
+  for (DType t : kWeightTypes) {
+    const DType act = dtype_info(t).act_type;
+    const int64_t n = 512, rows = 33, n_mats = 5;
+    HostMatrix hw = random_matrix(t, rows, n, n_mats, 99 + static_cast<uint64_t>(t));
+    Dev dw(hw.data.size());
+    dw.up(hw.data.data(), hw.data.size());
+    const int n_act = 3;
+    std::vector<float> x = randn(static_cast<size_t>(n) * n_act, 5 + static_cast<uint64_t>(t));
+    std::vector<uint8_t> ha = host_acts(act, x, n, n_act);
+    auto da = upload(ha);
+    const size_t astride = row_bytes(act, n);
+    // 6 experts, expert e in device matrix slot_of[e] (-1: in host memory)
+    const std::vector<int32_t> slot_of = {2, -1, 0, 4, 1, 3};
+    const std::vector<int32_t> ids = {5, 1, 0, 3, 5, 2, 4};
+    const std::vector<int32_t> act_row = {0, 1, 1, 2, 0, 2, 1};
+    const int n_slots = static_cast<int>(ids.size());
+    auto d_slot = upload(slot_of);
+    auto d_ids = upload(ids);
+    auto d_row = upload(act_row);
+    for (bool use_slot_of : {true, false}) {
+      std::vector<int32_t> ids_direct = {4, 0, 2, 3, 1, 4, 0};  // without slot_of: ids are matrix indices
+      auto d_ids_direct = upload(ids_direct);
+      const int64_t ld_y = rows + 3;
+      Dev dy(static_cast<size_t>(ld_y) * n_slots * sizeof(float));
+      matvec_experts(dev_matrix(hw, dw), use_slot_of ? d_ids->as<int32_t>() : d_ids_direct->as<int32_t>(),
+                     use_slot_of ? d_slot->as<int32_t>() : nullptr, n_slots, da->as(), d_row->as<int32_t>(),
+                     dy.as<float>(), ld_y, s());
+      sync();
+      auto y = dy.down<float>(static_cast<size_t>(ld_y) * n_slots);
+      int bad = 0;
+      for (int j = 0; j < n_slots; ++j) {
+        const int m = use_slot_of ? slot_of[ids[j]] : ids_direct[j];
+        for (int64_t r = 0; r < ld_y; ++r) {
+          const float got = y[j * ld_y + r];
+          if (m < 0 || r >= rows) {
+            if (!is_poison(got) && bad++ < 5) ADD_FAILURE() << dtype_name(t) << ": slot " << j << " row " << r << " written";
+            continue;
+          }
+          const uint8_t* arow = ha.data() + act_row[j] * astride;
+          const float ref = quant::vec_dot_ref(t, n, hw.row(m, r), arow);
+          const double scale = sum_abs_product(t, hw.row(m, r), act, arow, n);
+          if (!(std::fabs(got - ref) <= 1e-5 * scale + 1e-30) && bad++ < 5)
+            ADD_FAILURE() << dtype_name(t) << ": slot " << j << " row " << r << " got " << got << " want " << ref;
+        }
+      }
+    }
+  }
+}
+
+TEST_F(GpuOps, MatvecRejectsBadInput) {
+  HostMatrix hw = random_matrix(DType::Q4_K, 4, 256, 1, 1);
+  Dev dw(hw.data.size());
+  Dev da(4096), dy(4096);
+  DevMatrix m = dev_matrix(hw, dw);
+  EXPECT_THROW(matvec(m, da.as(), kMaxVecTokens + 1, dy.as<float>(), 4, s()), Error);
+  DevMatrix bad = m;
+  bad.type = DType::Q8_K;  // an activation type, not a weight type
+  bad.row_bytes = row_bytes(DType::Q8_K, 256);
+  EXPECT_THROW(matvec(bad, da.as(), 1, dy.as<float>(), 4, s()), Error);
+}
+
+// ================================ prefill matmul ==================================================
+
+float round_f16(float v) { return f16_to_f32(f32_to_f16(v)); }
+float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+// Scratch given to matmul: the header's minimum (dequant_scratch_bytes, through the overload without a
+// size), the size for one GEMM (matmul_scratch_bytes), or a tight one that forces row tiles and token chunks.
+enum class ScratchMode { Minimum, Full, Tight };
+
+void check_matmul(Stream s, std::function<void()> sync, DType t, int64_t n, int64_t rows, int64_t n_mats,
+                  int64_t mat, int nt, uint64_t seed, ScratchMode mode = ScratchMode::Minimum) {
+  HostMatrix hw = random_matrix(t, rows, n, n_mats, seed);
+  Dev dw(hw.data.size());
+  dw.up(hw.data.data(), hw.data.size());
+  const int64_t ld_x = n + 4, ld_y = rows + 3;
+  std::vector<float> x = randn(static_cast<size_t>(ld_x) * nt, seed + 3);
+  auto dx = upload(x);
+  Dev dy(static_cast<size_t>(ld_y) * nt * sizeof(float));
+  DevMatrix m = dev_matrix(hw, dw);
+  const size_t sb = mode == ScratchMode::Minimum ? dequant_scratch_bytes(m)
+                    : mode == ScratchMode::Full  ? matmul_scratch_bytes(m, nt)
+                                                 : static_cast<size_t>(n) * 2 * 12;
+  Dev scratch(sb);
+  if (mode == ScratchMode::Minimum) matmul(m, mat, dx->as<float>(), ld_x, nt, dy.as<float>(), ld_y, scratch.as(), s);
+  else matmul(m, mat, dx->as<float>(), ld_x, nt, dy.as<float>(), ld_y, scratch.as(), sb, s);
+  sync();
+  auto y = dy.down<float>(static_cast<size_t>(ld_y) * nt);
+  // operands as the GPU multiplies them
+  auto rnd = [&](float v) { return t == DType::F32 ? v : t == DType::BF16 ? round_bf16(v) : round_f16(v); };
+  std::vector<float> xr(static_cast<size_t>(n) * nt);
+  for (int tk = 0; tk < nt; ++tk)
+    for (int64_t i = 0; i < n; ++i) xr[tk * n + i] = rnd(x[tk * ld_x + i]);
+  std::vector<float> wf(n);
+  const double rel = t == DType::F32 ? 1e-5 : 1e-4;
+  int bad = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    quant::dequantize_row_ref(t, hw.row(mat, r), wf.data(), n);
+    for (int tk = 0; tk < nt; ++tk) {
+      double exact = 0, exact_f32 = 0, scale = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        exact += static_cast<double>(rnd(wf[i])) * xr[tk * n + i];
+        exact_f32 += static_cast<double>(wf[i]) * x[tk * ld_x + i];
+        scale += std::fabs(static_cast<double>(wf[i]) * x[tk * ld_x + i]);
+      }
+      const float got = y[tk * ld_y + r];
+      if (!(std::fabs(got - exact) <= rel * scale + 1e-30) && bad++ < 5)
+        ADD_FAILURE() << dtype_name(t) << " rows=" << rows << " tokens=" << nt << ": row " << r << " token " << tk
+                      << " got " << got << " want " << exact << " (scale " << scale << ")";
+      if (!(std::fabs(got - exact_f32) <= 2e-3 * scale + 1e-30) && bad++ < 5)
+        ADD_FAILURE() << dtype_name(t) << ": row " << r << " token " << tk << " far from the f32 product";
+    }
+  }
+  for (int tk = 0; tk < nt; ++tk)
+    for (int64_t r = rows; r < ld_y; ++r)
+      if (!is_poison(y[tk * ld_y + r]) && bad++ < 5) ADD_FAILURE() << dtype_name(t) << ": wrote past the rows";
+}
+
+TEST_F(GpuOps, MatmulEveryTypeMatchesRoundedProduct) {
+  for (DType t : kWeightTypes) {
+    uint64_t seed = 500 + static_cast<uint64_t>(t) * 10;
+    check_matmul(s(), [this] { sync(); }, t, 512, 100, 1, 0, 9, seed);
+    check_matmul(s(), [this] { sync(); }, t, 512, 37, 3, 2, 70, seed + 1);  // third matrix of a stack
+    check_matmul(s(), [this] { sync(); }, t, 512, 100, 1, 0, 70, seed + 2, ScratchMode::Full);
+    check_matmul(s(), [this] { sync(); }, t, 512, 100, 2, 1, 70, seed + 3, ScratchMode::Tight);
+  }
+}
+
+TEST_F(GpuOps, MatmulTilesLargeMatrices) {
+  // 8200 x 4096 dequantizes to 67 MB of f16: more than one 64 MiB tile.
+  check_matmul(s(), [this] { sync(); }, DType::Q4_0, 4096, 8200, 1, 0, 9, 4242);
+}
+
+// ================================ embeddings ======================================================
+
+TEST_F(GpuOps, EmbedRowsBitExact) {
+  for (DType t : kWeightTypes) {
+    const int64_t n = 512, rows = 50;
+    HostMatrix hw = random_matrix(t, rows, n, 1, 31 + static_cast<uint64_t>(t));
+    Dev dw(hw.data.size());
+    dw.up(hw.data.data(), hw.data.size());
+    const std::vector<int32_t> ids = {3, 0, 49, 17, 3};
+    auto d_ids = upload(ids);
+    Dev out(ids.size() * n * sizeof(float));
+    embed_rows(dev_matrix(hw, dw), d_ids->as<int32_t>(), static_cast<int>(ids.size()), out.as<float>(), s());
+    sync();
+    auto got = out.down<float>(ids.size() * n);
+    std::vector<float> ref(n);
+    int bad = 0;
+    for (size_t k = 0; k < ids.size(); ++k) {
+      quant::dequantize_row_ref(t, hw.row(0, ids[k]), ref.data(), n);
+      for (int64_t i = 0; i < n; ++i)
+        if (bits(got[k * n + i]) != bits(ref[i]) && bad++ < 5)
+          ADD_FAILURE() << dtype_name(t) << ": row " << k << " value " << i << " got " << got[k * n + i] << " want "
+                        << ref[i];
+    }
+  }
+}
+
+// ================================ elementwise =====================================================
+
+// Within `ulps` units in the last place (both finite).
+bool near_ulps(float a, float b, int ulps) {
+  if (a == b) return true;
+  if (!std::isfinite(a) || !std::isfinite(b) || (a < 0) != (b < 0)) return false;
+  return std::abs(static_cast<int64_t>(bits(a)) - static_cast<int64_t>(bits(b))) <= ulps;
+}
+
+TEST_F(GpuOps, RmsNorm) {
+  const int n = 2048, rows = 5;
+  const int64_t ld_x = n + 8, ld_y = n + 16;
+  std::vector<float> x = randn(static_cast<size_t>(ld_x) * rows, 11, 3.0f);
+  std::vector<float> w = randn(n, 12);
+  auto dx = upload(x);
+  auto dw = upload(w);
+  for (bool with_w : {true, false}) {
+    Dev dy(static_cast<size_t>(ld_y) * rows * sizeof(float));
+    rms_norm(dx->as<float>(), with_w ? dw->as<float>() : nullptr, dy.as<float>(), n, rows, 1e-6f, ld_x, ld_y, s());
+    sync();
+    auto got = dy.down<float>(static_cast<size_t>(ld_y) * rows);
+    std::vector<float> ref(static_cast<size_t>(ld_y) * rows, 0.0f);
+    cpu::rms_norm(x.data(), with_w ? w.data() : nullptr, ref.data(), n, rows, 1e-6f, ld_x, ld_y);
+    int bad = 0;
+    for (int r = 0; r < rows; ++r)
+      for (int i = 0; i < n; ++i)
+        if (!near_ulps(got[r * ld_y + i], ref[r * ld_y + i], 1) && bad++ < 5)
+          ADD_FAILURE() << "row " << r << " i " << i << " got " << got[r * ld_y + i] << " want " << ref[r * ld_y + i];
+  }
+  // in place
+  std::vector<float> xin = randn(static_cast<size_t>(n) * 2, 13);
+  auto dxin = upload(xin);
+  rms_norm(dxin->as<float>(), dw->as<float>(), dxin->as<float>(), n, 2, 1e-5f, n, n, s());
+  sync();
+  auto got = dxin->down<float>(static_cast<size_t>(n) * 2);
+  std::vector<float> ref(static_cast<size_t>(n) * 2);
+  cpu::rms_norm(xin.data(), w.data(), ref.data(), n, 2, 1e-5f, n, n);
+  for (int i = 0; i < 2 * n; ++i) ASSERT_TRUE(near_ulps(got[i], ref[i], 1)) << i;
+}
+
+TEST_F(GpuOps, AddAndSwiglu) {
+  const int64_t n = 10007;
+  std::vector<float> a = randn(n, 21, 4.0f), b = randn(n, 22, 2.0f);
+  auto da = upload(a);
+  auto db = upload(b);
+  Dev out(n * sizeof(float));
+  swiglu(da->as<float>(), db->as<float>(), out.as<float>(), n, s());
+  sync();
+  auto got = out.down<float>(n);
+  std::vector<float> ref(n);
+  cpu::swiglu(a.data(), b.data(), ref.data(), n);
+  for (int64_t i = 0; i < n; ++i)
+    ASSERT_LE(std::fabs(got[i] - ref[i]), 6e-7 * std::fabs(ref[i]) + 1e-30) << i << " " << got[i] << " " << ref[i];
+  add(da->as<float>(), db->as<float>(), n, s());
+  sync();
+  auto sum = da->down<float>(n);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(bits(sum[i]), bits(a[i] + b[i])) << i;
+}
+
+TEST_F(GpuOps, RopeNeox) {
+  const int n_heads = 4;
+  const std::vector<int32_t> pos = {0, 1, 7, 1000, 31999};
+  const int nt = static_cast<int>(pos.size());
+  auto d_pos = upload(pos);
+  for (int head_dim : {128, 64}) {
+    for (int n_rot : {head_dim, head_dim / 2}) {
+      const int64_t ld = n_heads * head_dim + 8;
+      std::vector<float> x = randn(static_cast<size_t>(ld) * nt, 41 + n_rot);
+      auto dx = upload(x);
+      rope_neox(dx->as<float>(), nt, n_heads, head_dim, ld, n_rot, d_pos->as<int32_t>(), 1000000.0f, 1.0f, s());
+      sync();
+      auto got = dx->down<float>(static_cast<size_t>(ld) * nt);
+      std::vector<float> ref = x;
+      for (int t = 0; t < nt; ++t) cpu::rope_neox(ref.data() + t * ld, 1, n_heads, head_dim, ld, n_rot, pos[t], 1000000.0f, 1.0f);
+      int bad = 0;
+      for (int t = 0; t < nt; ++t)
+        for (int h = 0; h < n_heads; ++h)
+          for (int i = 0; i < head_dim; ++i) {
+            const int64_t k = t * ld + h * head_dim + i;
+            const int half = n_rot / 2;
+            double mag = std::fabs(x[k]);
+            if (i < n_rot) mag = std::fabs(x[t * ld + h * head_dim + (i % half)]) + std::fabs(x[t * ld + h * head_dim + (i % half) + half]);
+            if (!(std::fabs(got[k] - ref[k]) <= 1e-6 * mag) && bad++ < 5)
+              ADD_FAILURE() << "hd " << head_dim << " n_rot " << n_rot << " t " << t << " h " << h << " i " << i << ": got "
+                            << got[k] << " want " << ref[k];
+          }
+    }
+  }
+}
+
+TEST_F(GpuOps, CopyRows) {
+  const int width = 300, n_src = 6;
+  const int64_t ld_src = 320, ld_dst = 310;
+  std::vector<float> src = randn(static_cast<size_t>(ld_src) * n_src, 51);
+  auto dsrc = upload(src);
+  const std::vector<int32_t> src_rows = {5, 0, 3}, dst_rows = {1, 4, 2};
+  auto dsr = upload(src_rows);
+  auto ddr = upload(dst_rows);
+  for (int mode = 0; mode < 3; ++mode) {
+    Dev dst(static_cast<size_t>(ld_dst) * 6 * sizeof(float));
+    const int32_t* sr = mode == 1 ? nullptr : dsr->as<int32_t>();
+    const int32_t* dr = mode == 2 ? nullptr : ddr->as<int32_t>();
+    copy_rows(dsrc->as<float>(), ld_src, sr, dst.as<float>(), ld_dst, dr, 3, width, s());
+    sync();
+    auto got = dst.down<float>(static_cast<size_t>(ld_dst) * 6);
+    for (int row = 0; row < 6; ++row) {
+      int i = -1;
+      for (int k = 0; k < 3; ++k)
+        if ((dr ? dst_rows[k] : k) == row) i = k;
+      for (int c = 0; c < ld_dst; ++c) {
+        const float g = got[row * ld_dst + c];
+        if (i < 0 || c >= width) {
+          ASSERT_TRUE(is_poison(g)) << "mode " << mode << " row " << row << " col " << c;
+        } else {
+          const int s_row = sr ? src_rows[i] : i;
+          ASSERT_EQ(bits(g), bits(src[s_row * ld_src + c])) << "mode " << mode << " row " << row << " col " << c;
+        }
+      }
+    }
+  }
+}
+
+// ================================ routing =========================================================
+
+TEST_F(GpuOps, RouteTopkAndCombine) {
+  const int nt = 7, n_expert = 128, k = 8;
+  std::vector<float> logits = randn(static_cast<size_t>(nt) * n_expert, 61, 2.0f);
+  for (int e = 0; e < n_expert; ++e) logits[1 * n_expert + e] = 0.25f;        // all equal: lowest indices win
+  for (int e = 0; e < 10; ++e) logits[2 * n_expert + 10 * e + 3] = 9.0f;     // ties among the leaders
+  logits[3 * n_expert + 77] = 60.0f;                                          // one dominant expert
+  auto dl = upload(logits);
+  Dev d_ids(static_cast<size_t>(nt) * k * 4), d_w(static_cast<size_t>(nt) * k * 4);
+  route_topk(dl->as<float>(), nt, n_expert, k, d_ids.as<int32_t>(), d_w.as<float>(), s());
+  sync();
+  auto ids = d_ids.down<int32_t>(static_cast<size_t>(nt) * k);
+  auto w = d_w.down<float>(static_cast<size_t>(nt) * k);
+  for (int t = 0; t < nt; ++t) {
+    int32_t rid[k];
+    float rw[k];
+    cpu::route_softmax_topk(logits.data() + t * n_expert, n_expert, k, true, rid, rw);
+    for (int j = 0; j < k; ++j) {
+      EXPECT_EQ(ids[t * k + j], rid[j]) << "token " << t << " slot " << j;
+      EXPECT_LE(std::fabs(w[t * k + j] - rw[j]), 1e-6 * std::fabs(rw[j]) + 1e-30) << "token " << t << " slot " << j;
+    }
+  }
+
+  // combine: out[t] = sum_j w[t][j] * y[t*k + j], in j order
+  const int n = 1000;
+  std::vector<float> y = randn(static_cast<size_t>(nt) * k * n, 62);
+  auto dy = upload(y);
+  Dev out(static_cast<size_t>(nt) * n * 4);
+  moe_combine(dy->as<float>(), d_w.as<float>(), nt, k, n, out.as<float>(), s());
+  sync();
+  auto got = out.down<float>(static_cast<size_t>(nt) * n);
+  for (int t = 0; t < nt; ++t)
+    for (int i = 0; i < n; ++i) {
+      float o = 0;
+      double scale = 0;
+      for (int j = 0; j < k; ++j) {
+        const float term = y[(static_cast<size_t>(t) * k + j) * n + i] * w[t * k + j];
+        o = j == 0 ? term : o + term;
+        scale += std::fabs(static_cast<double>(term));
+      }
+      ASSERT_LE(std::fabs(got[t * n + i] - o), 1e-6 * scale + 1e-30) << t << " " << i;
+    }
+}
+
+// ================================ KV cache and attention ==========================================
+
+struct AttnCase {
+  int n_head, n_head_kv, head_dim, head_dim_v;
+  DType cache;
+  int pos0, n_tokens;
+  bool graph;  // positions from the device, sized by n_kv_max
+};
+
+size_t esize(DType t) { return t == DType::F16 ? 2 : 4; }
+
+void run_attention_case(Stream s, std::function<void()> sync, const AttnCase& c, uint64_t seed) {
+  SCOPED_TRACE("heads " + std::to_string(c.n_head) + "/" + std::to_string(c.n_head_kv) + " dims " +
+               std::to_string(c.head_dim) + "/" + std::to_string(c.head_dim_v) + " " + dtype_name(c.cache) + " pos0 " +
+               std::to_string(c.pos0) + " tokens " + std::to_string(c.n_tokens) + (c.graph ? " (graph)" : ""));
+  const int n_keys = c.pos0 + c.n_tokens;
+  const int n_ctx = (n_keys + 64) / 64 * 64 + 64;  // room beyond the keys: poisoned on the device
+  const int kw = c.n_head_kv * c.head_dim, vw = c.n_head_kv * c.head_dim_v;
+  const size_t es = esize(c.cache);
+  // host cache, filled through cpu::kv_store
+  std::vector<uint8_t> hk(static_cast<size_t>(n_ctx) * kw * es, 0), hv(static_cast<size_t>(vw) * n_ctx * es, 0);
+  cpu::KvView view{c.cache, hk.data(), hv.data(), n_ctx, static_cast<int64_t>(kw * es)};
+  std::vector<float> kin = randn(static_cast<size_t>(n_keys) * kw, seed, 1.0f);
+  std::vector<float> vin = randn(static_cast<size_t>(n_keys) * vw, seed + 1, 1.0f);
+  // the cache's history (positions < pos0) stored on the host; the new tokens' K/V through the GPU's kv_store
+  if (c.pos0 > 0) cpu::kv_store(view, 0, c.pos0, kin.data(), kw, vin.data(), vw, kw, vw);
+  Dev dk(hk.size()), dv(hv.size());  // poisoned: positions >= n_keys stay NaN
+  if (c.pos0 > 0) {
+    dk.up(hk.data(), static_cast<size_t>(c.pos0) * kw * es);
+    for (int i = 0; i < vw; ++i) dv.up(hv.data() + static_cast<size_t>(i) * n_ctx * es, static_cast<size_t>(c.pos0) * es, static_cast<size_t>(i) * n_ctx * es);
+  }
+  cpu::kv_store(view, c.pos0, c.n_tokens, kin.data() + static_cast<size_t>(c.pos0) * kw, kw,
+                vin.data() + static_cast<size_t>(c.pos0) * vw, vw, kw, vw);
+  std::vector<int32_t> pos(c.n_tokens);
+  for (int t = 0; t < c.n_tokens; ++t) pos[t] = c.pos0 + t;
+  auto d_pos = upload(pos);
+  auto d_knew = upload(std::vector<float>(kin.begin() + static_cast<size_t>(c.pos0) * kw, kin.end()));
+  auto d_vnew = upload(std::vector<float>(vin.begin() + static_cast<size_t>(c.pos0) * vw, vin.end()));
+  DevKv kv{c.cache, dk.bytes(), dv.bytes(), n_ctx};
+  kv_store(kv, d_pos->as<int32_t>(), c.n_tokens, d_knew->as<float>(), kw, d_vnew->as<float>(), vw, c.n_head_kv,
+           c.head_dim, c.head_dim_v, s);
+  sync();
+  {  // the GPU-written part of the cache is byte-identical to cpu::kv_store's
+    auto gk = dk.down<uint8_t>(hk.size());
+    auto gv = dv.down<uint8_t>(hv.size());
+    for (size_t i = static_cast<size_t>(c.pos0) * kw * es; i < static_cast<size_t>(n_keys) * kw * es; ++i)
+      ASSERT_EQ(gk[i], hk[i]) << "K byte " << i;
+    for (int r = 0; r < vw; ++r)
+      for (size_t i = static_cast<size_t>(c.pos0) * es; i < static_cast<size_t>(n_keys) * es; ++i)
+        ASSERT_EQ(gv[r * n_ctx * es + i], hv[r * n_ctx * es + i]) << "V row " << r << " byte " << i;
+  }
+
+  const int64_t ld_q = static_cast<int64_t>(c.n_head) * c.head_dim + 16;
+  const int64_t ld_out = static_cast<int64_t>(c.n_head) * c.head_dim_v + 8;
+  std::vector<float> q = randn(static_cast<size_t>(ld_q) * c.n_tokens, seed + 2, 1.0f);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  auto dq = upload(q);
+  Dev dout(static_cast<size_t>(ld_out) * c.n_tokens * sizeof(float));
+  const int n_kv_max = c.graph ? n_ctx : n_keys;
+  const size_t sb = attention_scratch_bytes(c.n_tokens, n_kv_max, c.n_head, c.head_dim_v);
+  Dev scratch(sb);
+  attention(dq->as<float>(), ld_q, kv, c.pos0, c.graph ? d_pos->as<int32_t>() : nullptr, c.n_tokens, n_kv_max, c.n_head,
+            c.n_head_kv, c.head_dim, c.head_dim_v, scale, dout.as<float>(), ld_out, sb ? scratch.as() : nullptr, sb, s);
+  sync();
+  auto got = dout.down<float>(static_cast<size_t>(ld_out) * c.n_tokens);
+
+  ThreadPool pool(4);
+  cpu::Scratch cs;
+  std::vector<float> ref(static_cast<size_t>(ld_out) * c.n_tokens, 0.0f);
+  cpu::attention(pool, q.data(), ld_q, view, c.pos0, c.n_tokens, c.n_head, c.n_head_kv, c.head_dim, c.head_dim_v, scale,
+                 ref.data(), ld_out, cs, 0);
+
+  // Error scale per output: sum_j p_j |v_j| (the softmax in double over the cache-rounded operands),
+  // plus one f16 ulp of the largest term: the GPU's expf and glibc's may differ in the last bit, which
+  // can flip the f16 rounding of one probability (never happens for an f32 cache).
+  const int group = c.n_head / c.n_head_kv;
+  auto kval = [&](int j, int e) {
+    const uint8_t* p = hk.data() + (static_cast<size_t>(j) * kw + e) * es;
+    if (c.cache == DType::F16) {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      return f16_to_f32(h);
+    }
+    float f;
+    std::memcpy(&f, p, 4);
+    return f;
+  };
+  auto vval = [&](int row, int j) {
+    const uint8_t* p = hv.data() + (static_cast<size_t>(row) * n_ctx + j) * es;
+    if (c.cache == DType::F16) {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      return f16_to_f32(h);
+    }
+    float f;
+    std::memcpy(&f, p, 4);
+    return f;
+  };
+  int bad = 0;
+  std::vector<double> sc(n_keys);
+  for (int t = 0; t < c.n_tokens; ++t) {
+    const int visible = c.pos0 + t + 1;
+    for (int h = 0; h < c.n_head; ++h) {
+      const int g = h / group;
+      double mx = -1e300;
+      for (int j = 0; j < visible; ++j) {
+        double d = 0;
+        for (int e = 0; e < c.head_dim; ++e) {
+          const float qe = q[t * ld_q + h * c.head_dim + e];
+          d += static_cast<double>(c.cache == DType::F16 ? round_f16(qe) : qe) * kval(j, g * c.head_dim + e);
+        }
+        sc[j] = d * scale;
+        mx = std::max(mx, sc[j]);
+      }
+      double sum = 0;
+      for (int j = 0; j < visible; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
+      for (int d = 0; d < c.head_dim_v; ++d) {
+        double s1 = 0, mterm = 0;
+        for (int j = 0; j < visible; ++j) {
+          const double term = sc[j] / sum * std::fabs(vval(g * c.head_dim_v + d, j));
+          s1 += term;
+          mterm = std::max(mterm, term);
+        }
+        const double tol = 1e-5 * s1 + (c.cache == DType::F16 ? 1.0 / 1024 : 0.0) * mterm + 1e-30;
+        const float gv = got[t * ld_out + h * c.head_dim_v + d], rv = ref[t * ld_out + h * c.head_dim_v + d];
+        if (!(std::fabs(gv - rv) <= tol) && bad++ < 5)
+          ADD_FAILURE() << "token " << t << " head " << h << " dim " << d << ": got " << gv << " want " << rv
+                        << " (tol " << tol << ")";
+      }
+    }
+    for (int64_t i = static_cast<int64_t>(c.n_head) * c.head_dim_v; i < ld_out; ++i)
+      if (!is_poison(got[t * ld_out + i]) && bad++ < 5) ADD_FAILURE() << "wrote past the heads";
+  }
+}
+
+TEST_F(GpuOps, AttentionDecode) {
+  uint64_t seed = 700;
+  for (int ctx : {1, 100, 5000}) {
+    run_attention_case(s(), [this] { sync(); }, {16, 4, 128, 128, DType::F16, ctx - 1, 1, false}, seed++);
+    run_attention_case(s(), [this] { sync(); }, {16, 4, 128, 128, DType::F16, ctx - 1, 1, true}, seed++);
+  }
+  run_attention_case(s(), [this] { sync(); }, {8, 8, 64, 64, DType::F16, 999, 1, false}, seed++);     // MHA, dim 64
+  run_attention_case(s(), [this] { sync(); }, {32, 4, 256, 256, DType::F16, 300, 1, false}, seed++);  // dim 256
+  run_attention_case(s(), [this] { sync(); }, {16, 4, 128, 128, DType::F32, 2000, 1, false}, seed++); // f32 cache
+  run_attention_case(s(), [this] { sync(); }, {16, 4, 128, 128, DType::F16, 100, 3, false}, seed++);  // small batch
+  run_attention_case(s(), [this] { sync(); }, {16, 2, 72, 72, DType::F16, 40, 8, true}, seed++);      // dim 72 (padded)
+}
+
+TEST_F(GpuOps, AttentionPrefill) {
+  uint64_t seed = 800;
+  for (int pos0 : {0, 50})
+    for (int nt : {7, 64, 300}) run_attention_case(s(), [this] { sync(); }, {16, 4, 128, 128, DType::F16, pos0, nt, false}, seed++);
+  run_attention_case(s(), [this] { sync(); }, {8, 8, 64, 64, DType::F16, 10, 33, false}, seed++);   // MHA
+  run_attention_case(s(), [this] { sync(); }, {16, 4, 128, 128, DType::F32, 20, 40, false}, seed++); // f32 cache
+  run_attention_case(s(), [this] { sync(); }, {16, 2, 72, 72, DType::F16, 5, 20, false}, seed++);    // dim 72
+  run_attention_case(s(), [this] { sync(); }, {32, 4, 256, 256, DType::F16, 3, 17, false}, seed++);  // dim 256
+}
+
+}  // namespace
+}  // namespace fitmoe::gpu
