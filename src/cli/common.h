@@ -64,5 +64,7 @@ void register_logits(CLI::App& app);
 void register_bench(CLI::App& app);
 void register_gen_model(CLI::App& app);
 void register_plan(CLI::App& app);
+void register_tokenize(CLI::App& app);
+void register_detokenize(CLI::App& app);
 
 }  // namespace fitmoe::cli

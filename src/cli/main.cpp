@@ -16,6 +16,8 @@ int main(int argc, char** argv) {
   fitmoe::cli::register_info(app);
   fitmoe::cli::register_gen_model(app);
   fitmoe::cli::register_plan(app);
+  fitmoe::cli::register_tokenize(app);
+  fitmoe::cli::register_detokenize(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -789,34 +789,34 @@ void launch_matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y,
 
 // ================================ activation quantizers ===========================================
 
-// Q8_0 / Q8_1: one warp per 32-value block, one value per lane.
+// Q8_0 / Q8_1: one thread per 32-value block, the reference's operations in the reference's order
+// (activations are small; simplicity wins over speed here).
 template <bool Q81>
 __global__ void quant_q8_kernel(const float* __restrict__ x, int64_t n, int rows, int64_t ld_x, uint8_t* __restrict__ dst,
                                 size_t stride) {
   const int64_t nb = n / 32;
-  const int64_t gb = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  const int64_t gb = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (gb >= nb * rows) return;
-  const int lane = threadIdx.x & 31;
   const int64_t r = gb / nb, b = gb % nb;
-  const float v = x[r * ld_x + b * 32 + lane];
-  const float amax = warp_max(fabsf(v));
+  const float* xb = x + r * ld_x + b * 32;
+  float amax = 0.0f;
+  for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(xb[j]));
   const float d = __fdiv_rn(amax, 127.0f);
   const float id = amax != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
-  const int q = __float2int_rn(__fmul_rn(v, id));
   uint8_t* blk = dst + r * stride + b * (Q81 ? 36 : 34);
-  blk[(Q81 ? 4 : 2) + lane] = static_cast<uint8_t>(static_cast<int8_t>(q));
-  if constexpr (Q81) {
-    const int sum = warp_sum(q);
-    if (lane == 0) {
-      const uint16_t hs = f2h_bits(__fmul_rn(d, static_cast<float>(sum)));
-      blk[2] = static_cast<uint8_t>(hs & 0xff);
-      blk[3] = static_cast<uint8_t>(hs >> 8);
-    }
+  int sum = 0;
+  for (int j = 0; j < 32; ++j) {
+    const int q = __float2int_rn(__fmul_rn(xb[j], id));
+    blk[(Q81 ? 4 : 2) + j] = static_cast<uint8_t>(static_cast<int8_t>(q));
+    sum += q;
   }
-  if (lane == 0) {
-    const uint16_t hd = f2h_bits(d);
-    blk[0] = static_cast<uint8_t>(hd & 0xff);
-    blk[1] = static_cast<uint8_t>(hd >> 8);
+  const uint16_t hd = f2h_bits(d);
+  blk[0] = static_cast<uint8_t>(hd & 0xff);
+  blk[1] = static_cast<uint8_t>(hd >> 8);
+  if constexpr (Q81) {
+    const uint16_t hs = f2h_bits(__fmul_rn(d, static_cast<float>(sum)));
+    blk[2] = static_cast<uint8_t>(hs & 0xff);
+    blk[3] = static_cast<uint8_t>(hs >> 8);
   }
 }
 
@@ -1778,8 +1778,8 @@ void quantize_acts(DType act, const float* x, int64_t n, int rows, int64_t ld_x,
     case DType::Q8_1: {
       if (n % 32 != 0) fail("quantize_acts: row length not a multiple of 32");
       const int64_t blocks = n / 32 * rows;
-      if (act == DType::Q8_0) quant_q8_kernel<false><<<blocks_for(blocks, 8), 256, 0, st>>>(x, n, rows, ld_x, d, stride);
-      else quant_q8_kernel<true><<<blocks_for(blocks, 8), 256, 0, st>>>(x, n, rows, ld_x, d, stride);
+      if (act == DType::Q8_0) quant_q8_kernel<false><<<blocks_for(blocks, 128), 128, 0, st>>>(x, n, rows, ld_x, d, stride);
+      else quant_q8_kernel<true><<<blocks_for(blocks, 128), 128, 0, st>>>(x, n, rows, ld_x, d, stride);
       break;
     }
     case DType::Q8_K: {

@@ -773,6 +773,16 @@ class Parser {
  public:
   explicit Parser(std::vector<Token> toks) : t_(std::move(toks)) {}
 
+  // Nesting limit for statements and expressions (templates come from files: no stack overflow).
+  struct Depth {
+    Parser& p;
+    explicit Depth(Parser& pp) : p(pp) {
+      if (++p.depth_ > 200) fail(p.cur().line, "template nests deeper than 200 levels");
+    }
+    ~Depth() { --p.depth_; }
+  };
+  int depth_ = 0;
+
   Body parse_template() {
     std::string stop;
     Body b = parse_body({}, stop);
@@ -856,6 +866,7 @@ class Parser {
   }
 
   StmtP parse_statement() {
+    Depth guard(*this);
     const int line = cur().line;
     std::string name = t_[p_++].v;
     auto s = std::make_unique<Stmt>();
@@ -1010,9 +1021,13 @@ class Parser {
     return t;
   }
 
-  ExprP parse_expression(bool with_cond) { return with_cond ? parse_cond() : parse_or(); }
+  ExprP parse_expression(bool with_cond) {
+    Depth guard(*this);
+    return with_cond ? parse_cond() : parse_or();
+  }
 
   ExprP parse_cond() {
+    Depth guard(*this);
     ExprP e = parse_or();
     while (is_name("if")) {
       const int line = cur().line;
@@ -1054,6 +1069,7 @@ class Parser {
   }
 
   ExprP parse_not() {
+    Depth guard(*this);
     if (is_name("not")) {
       auto n = node(Expr::Not, cur().line);
       ++p_;
@@ -1145,6 +1161,7 @@ class Parser {
   }
 
   ExprP parse_unary(bool with_filter) {
+    Depth guard(*this);
     ExprP e;
     if (is_op("-") || is_op("+")) {
       auto u = node(is_op("-") ? Expr::Neg : Expr::Pos, cur().line);
@@ -1385,9 +1402,9 @@ struct Scope {
 
 enum class Flow { Normal, Break, Continue };
 
-constexpr uint64_t kMaxSteps = 50'000'000;
+constexpr uint64_t kMaxSteps = 5'000'000;
 constexpr size_t kMaxOutput = 256u << 20;
-constexpr int kMaxDepth = 256;
+constexpr int kMaxDepth = 64;
 
 struct Interp {
   uint64_t steps = 0;
@@ -1395,7 +1412,7 @@ struct Interp {
   std::shared_ptr<Scope> root;
 
   void tick(int line) {
-    if (++steps > kMaxSteps) fail(line, "template takes too long (more than 50 million steps)");
+    if (++steps > kMaxSteps) fail(line, "template takes too long (more than 5 million steps)");
   }
 
   // ---- statements ----
@@ -1499,27 +1516,34 @@ struct Interp {
     }
     if (items.empty()) return exec(s.else_body, sc, out);
     const int64_t n = static_cast<int64_t>(items.size());
+    // One loop object whose fields advance, as Jinja2's LoopContext.
+    Value loop = Value::dict();
+    loop.d->kind = Dict::Loop;
+    auto& li = loop.d->items;
+    for (const char* f : {"index", "index0", "revindex", "revindex0", "first", "last", "length", "depth", "depth0",
+                          "previtem", "nextitem"})
+      li.emplace_back(f, Value());
+    std::weak_ptr<Dict> wd = loop.d;
+    li.emplace_back("cycle", make_fn("loop.cycle", [wd](Interp&, Args& a, int line) {
+                      auto d = wd.lock();
+                      if (!d || a.pos.empty()) fail(line, "loop.cycle() needs at least one argument");
+                      return a.pos[static_cast<size_t>(d->items[1].second.i) % a.pos.size()];
+                    }));
+    ls->vars["loop"] = loop;
     for (int64_t k = 0; k < n; ++k) {
+      tick(s.line);
       assign(s.targets, items[static_cast<size_t>(k)], *ls, s.line);
-      Value loop = Value::dict();
-      loop.d->kind = Dict::Loop;
-      auto& li = loop.d->items;
-      li.emplace_back("index", Value::integer(k + 1));
-      li.emplace_back("index0", Value::integer(k));
-      li.emplace_back("revindex", Value::integer(n - k));
-      li.emplace_back("revindex0", Value::integer(n - k - 1));
-      li.emplace_back("first", Value::boolean(k == 0));
-      li.emplace_back("last", Value::boolean(k == n - 1));
-      li.emplace_back("length", Value::integer(n));
-      li.emplace_back("depth", Value::integer(1));
-      li.emplace_back("depth0", Value::integer(0));
-      li.emplace_back("previtem", k > 0 ? items[static_cast<size_t>(k - 1)] : Value::undef("loop.previtem"));
-      li.emplace_back("nextitem", k + 1 < n ? items[static_cast<size_t>(k + 1)] : Value::undef("loop.nextitem"));
-      li.emplace_back("cycle", make_fn("loop.cycle", [k](Interp&, Args& a, int line) {
-                        if (a.pos.empty()) fail(line, "loop.cycle() needs at least one argument");
-                        return a.pos[static_cast<size_t>(k) % a.pos.size()];
-                      }));
-      ls->vars["loop"] = std::move(loop);
+      li[0].second = Value::integer(k + 1);
+      li[1].second = Value::integer(k);
+      li[2].second = Value::integer(n - k);
+      li[3].second = Value::integer(n - k - 1);
+      li[4].second = Value::boolean(k == 0);
+      li[5].second = Value::boolean(k == n - 1);
+      li[6].second = Value::integer(n);
+      li[7].second = Value::integer(1);
+      li[8].second = Value::integer(0);
+      li[9].second = k > 0 ? items[static_cast<size_t>(k - 1)] : Value::undef("loop.previtem");
+      li[10].second = k + 1 < n ? items[static_cast<size_t>(k + 1)] : Value::undef("loop.nextitem");
       Flow f = exec(s.body, ls, out);
       if (f == Flow::Break) break;
     }
@@ -1532,7 +1556,7 @@ struct Interp {
     return make_fn(m.name, [mp, ws](Interp& in, Args& a, int line) {
       auto parent = ws.lock();
       if (!parent) fail(line, "macro '" + mp->name + "' called after its scope ended");
-      if (++in.depth > kMaxDepth) fail(line, "macro recursion deeper than 256");
+      if (++in.depth > kMaxDepth) fail(line, "macro recursion deeper than 64");
       auto sc = std::make_shared<Scope>();
       sc->parent = parent;
       if (a.pos.size() > mp->params.size())
@@ -1640,7 +1664,9 @@ struct Interp {
         Value d = Value::dict();
         for (size_t k = 0; k + 1 < e.args.size(); k += 2) {
           Value key = eval(*e.args[k], sc);
-          d.d->set(key.t == Value::Str ? key.s : to_str(key), eval(*e.args[k + 1], sc));
+          if (key.t != Value::Str)
+            fail(e.line, std::string("dict keys must be strings (a ") + type_name(key) + " key is not supported)");
+          d.d->set(key.s, eval(*e.args[k + 1], sc));
         }
         return d;
       }
@@ -2022,6 +2048,45 @@ struct Interp {
         }
         return Value::str(std::move(out));
       });
+    if (name == "format")
+      return fn([s](Args& a, int l) {
+        std::string out;
+        size_t auto_idx = 0;
+        for (size_t k = 0; k < s.size(); ++k) {
+          char c = s[k];
+          if (c == '{' && k + 1 < s.size() && s[k + 1] == '{') {
+            out += '{';
+            ++k;
+          } else if (c == '}' && k + 1 < s.size() && s[k + 1] == '}') {
+            out += '}';
+            ++k;
+          } else if (c == '{') {
+            size_t e = s.find('}', k);
+            if (e == std::string::npos) fail(l, "format(): unmatched '{'");
+            std::string field = s.substr(k + 1, e - k - 1);
+            if (field.find_first_of(":!.[") != std::string::npos)
+              fail(l, "format(): format specs and conversions are not supported ('{" + field + "}')");
+            const Value* v = nullptr;
+            if (field.empty()) {
+              if (auto_idx >= a.pos.size()) fail(l, "format(): not enough arguments");
+              v = &a.pos[auto_idx++];
+            } else if (std::all_of(field.begin(), field.end(), [](char ch) { return std::isdigit(static_cast<unsigned char>(ch)); })) {
+              size_t idx = std::stoul(field);
+              if (idx >= a.pos.size()) fail(l, "format(): argument index out of range");
+              v = &a.pos[idx];
+            } else {
+              for (const auto& [kk, vv] : a.kw)
+                if (kk == field) v = &vv;
+              if (!v) fail(l, "format(): missing argument '" + field + "'");
+            }
+            out += to_str(*v);
+            k = e;
+          } else {
+            out += c;
+          }
+        }
+        return Value::str(std::move(out));
+      });
     if (name == "isspace" || name == "isdigit" || name == "isalpha" || name == "isalnum" || name == "isupper" ||
         name == "islower") {
       std::string nm = name;
@@ -2273,6 +2338,8 @@ struct Interp {
       std::reverse(l.begin(), l.end());
       return Value::list(std::move(l));
     }
+    if ((n == "map" || n == "select" || n == "reject" || n == "selectattr" || n == "rejectattr") && !truthy(v))
+      return Value::list();  // Jinja2 yields nothing for a falsy input (e.g. none)
     if (n == "map") {
       List l = iterate(v, line), out;
       if (const Value* attr = a.get(99, "attribute")) {

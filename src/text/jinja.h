@@ -19,13 +19,15 @@
 // integer iterable le/<= lower lt/</lessthan mapping ne/!= none number odd sameas sequence string true
 // undefined upper.
 // String methods: strip lstrip rstrip split rsplit startswith endswith upper lower title capitalize
-// replace find count join format-free; dict methods: get items keys values; list methods: append
+// replace find rfind index count join format (plain {} / {0} / {name} fields) isspace isdigit
+// isalpha isalnum isupper islower; dict methods: get items keys values; list methods: append
 // extend pop insert index count.
 //
 // Anything else (include, extends, import, call blocks, unknown filters/tests, ...) fails with a
 // fitmoe::Error naming the construct and its line. Lenient where Hugging Face's environment would fail
-// late: an attribute of an undefined value is undefined. Rendering stops with an error after 50 million
-// evaluation steps, 256 MiB of output or a macro recursion depth of 256.
+// late: an attribute of an undefined value is undefined. Rendering stops with an error after 5 million
+// evaluation steps, 256 MiB of output or a macro recursion depth of 64;
+// templates nesting deeper than 200 levels are rejected when parsed.
 #pragma once
 #include <memory>
 #include <string>

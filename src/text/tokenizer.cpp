@@ -109,10 +109,23 @@ class StrMap {
       }
     }
   }
+  // A 16-bits-per-key filter (1 MiB for a 262k vocabulary, mostly cache-resident) that answers most
+  // "not in the map" lookups without touching the table. Build it once all keys are in.
+  void build_filter() {
+    size_t bits = pow2_at_least(count_ * 16);
+    filter_.assign(bits / 64, 0);
+    filter_mask_ = bits - 1;
+    for (const Slot& s : slots_) {
+      if (s.len == kEmpty) continue;
+      uint32_t t = s.tag;
+      filter_[(t & filter_mask_) >> 6] |= 1ull << (t & 63);
+    }
+  }
   int32_t find(std::string_view key) const {
     if (slots_.empty()) return -1;
     uint64_t h = hash_bytes(key.data(), key.size());
     uint32_t tag = static_cast<uint32_t>(h >> 32);
+    if (!filter_.empty() && !(filter_[(tag & filter_mask_) >> 6] >> (tag & 63) & 1)) return -1;
     for (size_t i = h & mask_;; i = (i + 1) & mask_) {
       const Slot& s = slots_[i];
       if (s.len == kEmpty) return -1;
@@ -145,6 +158,8 @@ class StrMap {
   std::vector<Slot> slots_;
   size_t mask_ = 0, count_ = 0;
   std::string arena_;
+  std::vector<uint64_t> filter_;
+  size_t filter_mask_ = 0;
 };
 
 // (left symbol id, right symbol id) -> (merge rank, merged symbol id).
@@ -503,6 +518,7 @@ void Tokenizer::Impl::load(const gguf::File& f) {
     text[i] = toks[i].empty() ? "[EMPTY_" + std::to_string(i) + "]" : std::string(toks[i]);
     index.insert(text[i], static_cast<int32_t>(i), true);
   }
+  index.build_filter();
   if (f.find("tokenizer.ggml.scores")) {
     auto sc = f.get_float_array("tokenizer.ggml.scores");
     if (sc.size() < n) throw Error(where + "tokenizer.ggml.scores has fewer entries than tokens");
@@ -1055,6 +1071,7 @@ std::unique_ptr<Tokenizer> Tokenizer::from_gguf(const gguf::File& f) {
 
 std::vector<int32_t> Tokenizer::encode(std::string_view s, bool add_special, bool parse_special) const {
   const Impl& m = *impl_;
+  if (s.size() >= (1ull << 31)) throw Error("tokenizer: input of " + std::to_string(s.size()) + " bytes is too large (limit 2 GiB)");
   std::vector<int32_t> out;
   out.reserve(s.size() / 3 + 4);
   std::vector<Impl::Frag> frags;
