@@ -13,6 +13,7 @@
 // compute) and running them on the CPU, from the planner's cost model.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 
@@ -91,6 +92,8 @@ class GpuState final : public ModelState {
       mem_.free(k.v);
     }
     for (void* p : pinned) gpu::free_pinned(p);
+    for (void* g : graphs)
+      if (g) gpu::destroy_graph(g);
     for (void* e : {ev_route, ev_stage[0], ev_stage[1]})
       if (e) gpu::destroy_event(e);
   }
@@ -114,6 +117,7 @@ class GpuState final : public ModelState {
   std::vector<gpu::DevKv> kv;
   int ub = 0;
   bool buffers_ready = false;
+  std::vector<void*> graphs;  // decode CUDA graphs (see Qwen3Gpu::Segments)
   // Device scratch.
   float *x = nullptr, *xn = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *att = nullptr, *y = nullptr;
   float *rlogits = nullptr, *wts = nullptr, *g = nullptr, *u = nullptr, *ey = nullptr, *logits = nullptr;
@@ -246,6 +250,12 @@ class Qwen3Gpu final : public GpuRunner {
       }
       gpu::sync_stream(stream_);  // host sources of this layer may be reused by the caller
     }
+    // Decode graphs need every op of a step on the GPU (a host-resident non-expert weight makes its
+    // product synchronise with the host); FITMOE_NO_GRAPHS=1 turns them off for comparison.
+    graphs_ok_ = output_.on_gpu() && !std::getenv("FITMOE_NO_GRAPHS");
+    for (auto& G : layers_)
+      for (const GWeight* w : {&G.wq, &G.wk, &G.wv, &G.wo, &G.router, &G.ffn_gate, &G.ffn_up, &G.ffn_down})
+        if (w->host && *w->host && !w->on_gpu()) graphs_ok_ = false;
   }
 
   void allocate_scratch(GpuState& st) {
@@ -344,113 +354,211 @@ class Qwen3Gpu final : public GpuRunner {
     gpu::matmul(m, mat, x, ld_x, nt, y, ld_y, st.dequant, st.dequant_bytes, stream_);
   }
 
-  void micro_batch(GpuState& st, ThreadPool& pool, std::span<const int32_t> tokens, int pos0, int n_out, float* logits) {
+  // ---- the forward pass, in pieces that can be captured into CUDA graphs --------------------------
+  // Attention block of layer l and the FFN norm: x -> x + attn(x), xn = norm(x).
+  void attention_block(GpuState& st, ThreadPool& pool, int l, int nt, int pos0) {
     const ModelConfig& c = c_;
-    const int nt = static_cast<int>(tokens.size());
+    GLayer& G = layers_[l];
     const int E = c.n_embd, hd = c.head_dim, hdv = c.head_dim_v;
     const int qw = c.n_head * hd, kw = c.n_head_kv * hd, vw = c.n_head_kv * hdv, aw = c.n_head * hdv;
+    gpu::rms_norm(st.x, G.attn_norm, st.xn, E, nt, c.rms_eps, E, E, stream_);
+    linear(st, pool, G.wq, st.xn, nt, st.q, qw);
+    linear(st, pool, G.wk, st.xn, nt, st.k, kw);
+    linear(st, pool, G.wv, st.xn, nt, st.v, vw);
+    gpu::rms_norm(st.q, G.q_norm, st.q, hd, nt * c.n_head, c.rms_eps, hd, hd, stream_);
+    gpu::rms_norm(st.k, G.k_norm, st.k, hd, nt * c.n_head_kv, c.rms_eps, hd, hd, stream_);
+    gpu::rope_neox(st.q, nt, c.n_head, hd, qw, c.n_rot, st.pos, c.rope_base, c.rope_freq_scale, stream_);
+    gpu::rope_neox(st.k, nt, c.n_head_kv, hd, kw, c.n_rot, st.pos, c.rope_base, c.rope_freq_scale, stream_);
+    gpu::kv_store(st.kv[l], st.pos, nt, st.k, kw, st.v, vw, c.n_head_kv, hd, hdv, stream_);
+    gpu::attention(st.q, qw, st.kv[l], pos0, st.pos, nt, st.n_ctx(), c.n_head, c.n_head_kv, hd, hdv,
+                   1.0f / std::sqrt(static_cast<float>(hd)), st.att, aw, st.attn_scratch, st.attn_scratch_bytes, stream_);
+    linear(st, pool, G.wo, st.att, nt, st.y, E);
+    gpu::add(st.x, st.y, static_cast<int64_t>(nt) * E, stream_);
+    gpu::rms_norm(st.x, G.ffn_norm, st.xn, E, nt, c.rms_eps, E, E, stream_);
+  }
 
-    // Embedding rows on the host (the table stays there), positions, then one upload each.
+  // FFN block, GPU side: the dense FFN, or the router and the device-resident experts (with the
+  // routing copied out first when the CPU has experts to run). Output in st.ey / st.y.
+  void ffn_gpu(GpuState& st, ThreadPool& pool, int l, int nt) {
+    const ModelConfig& c = c_;
+    GLayer& G = layers_[l];
+    const int E = c.n_embd;
+    if (!G.moe) {
+      const int64_t ff = c.n_ff;
+      linear(st, pool, G.ffn_gate, st.xn, nt, st.g, ff);
+      linear(st, pool, G.ffn_up, st.xn, nt, st.u, ff);
+      gpu::swiglu(st.g, st.u, st.g, static_cast<int64_t>(nt) * ff, stream_);
+      linear(st, pool, G.ffn_down, st.g, nt, st.y, E);
+      return;
+    }
+    const int k = c.n_expert_used, n_slots = nt * k;
+    const int64_t ff = c.n_ff_exp;
+    GExperts& X = G.experts;
+    linear(st, pool, G.router, st.xn, nt, st.rlogits, c.n_expert);
+    gpu::route_topk(st.rlogits, nt, c.n_expert, k, st.ids, st.wts, stream_);
+    if (X.n_dev < c.n_expert) {
+      // The CPU needs the choices and the normed input; copy them out first so it can start while
+      // the GPU runs its own experts.
+      gpu::copy_d2h(st.h_ids, st.ids, sizeof(int32_t) * n_slots, stream_);
+      gpu::copy_d2h(st.h_xn, st.xn, sizeof(float) * nt * E, stream_);
+      gpu::record_event(st.ev_route, stream_);
+    }
+    if (X.n_dev > 0) {
+      gpu::quantize_acts(dtype_info(X.gate.type).act_type, st.xn, E, nt, E, st.acts, stream_);
+      gpu::matvec_experts(X.gate, st.ids, X.slot_of_dev, n_slots, st.acts, st.act_row, st.g, ff, stream_);
+      gpu::matvec_experts(X.up, st.ids, X.slot_of_dev, n_slots, st.acts, st.act_row, st.u, ff, stream_);
+      gpu::swiglu(st.g, st.u, st.g, n_slots * ff, stream_);
+      gpu::quantize_acts(dtype_info(X.down.type).act_type, st.g, ff, n_slots, ff, st.acts, stream_);
+      gpu::matvec_experts(X.down, st.ids, X.slot_of_dev, n_slots, st.acts, st.ident, st.ey, E, stream_);
+    }
+  }
+
+  bool hybrid(int l) const { return layers_[l].moe && layers_[l].experts.n_dev < c_.n_expert; }
+
+  // FFN block, CPU side (hybrid MoE layers): wait for the routing, run the chosen host-resident
+  // experts on the CPU threads, upload their outputs into their slots' rows of st.ey.
+  void ffn_host(GpuState& st, ThreadPool& pool, int l, int nt) {
+    const int E = c_.n_embd, k = c_.n_expert_used, n_slots = nt * k;
+    GExperts& X = layers_[l].experts;
+    gpu::sync_event(st.ev_route);
+    std::vector<int32_t> tok, exp, slot;
+    for (int j = 0; j < n_slots; ++j)
+      if (X.slot_of[st.h_ids[j]] < 0) tok.push_back(j / k), exp.push_back(st.h_ids[j]), slot.push_back(j);
+    if (tok.empty()) return;
+    cpu::expert_ffn(pool, *X.host, st.h_xn, nt, E, tok.data(), exp.data(), static_cast<int>(tok.size()), st.h_ey,
+                    st.cpu_scratch);
+    for (size_t i = 0; i < slot.size(); ++i)
+      gpu::copy_h2d(st.ey + static_cast<int64_t>(slot[i]) * E, st.h_ey + i * E, sizeof(float) * E, stream_);
+  }
+
+  // End of the FFN block: combine the experts' outputs (MoE) and add the residual.
+  void ffn_finish(GpuState& st, int l, int nt) {
+    const int E = c_.n_embd;
+    if (layers_[l].moe) gpu::moe_combine(st.ey, st.wts, nt, c_.n_expert_used, E, st.y, stream_);
+    gpu::add(st.x, st.y, static_cast<int64_t>(nt) * E, stream_);
+  }
+
+  // Final norm and output head for the last n_out rows (at most 64) into pinned st.h_out.
+  void head(GpuState& st, ThreadPool& pool, int nt, int n_out, int r0) {
+    const int E = c_.n_embd;
+    const float* last = st.x + static_cast<int64_t>(nt - n_out + r0) * E;
+    const int nr = std::min(64, n_out - r0);
+    gpu::rms_norm(last, output_norm_, st.xn, E, nr, c_.rms_eps, E, E, stream_);
+    linear(st, pool, output_, st.xn, nr, st.logits, c_.n_vocab);
+    gpu::copy_d2h(st.h_out, st.logits, sizeof(float) * nr * c_.n_vocab, stream_);
+  }
+
+  // Inputs of a micro-batch: positions, and the embedding rows (looked up on the host unless the table
+  // is on the GPU as the tied output head). Host work first, then capturable uploads.
+  void prepare_inputs(GpuState& st, ThreadPool& pool, std::span<const int32_t> tokens, int pos0) {
+    const int nt = static_cast<int>(tokens.size());
+    gpu::sync_stream(stream_);  // the pinned inputs may still be read by the previous micro-batch
     for (int t = 0; t < nt; ++t) st.h_pos[t] = pos0 + t;
+    if (embed_dev_.data) std::memcpy(st.h_idx, tokens.data(), sizeof(int32_t) * nt);
+    else cpu::embed(pool, w_.tok_embd, tokens, st.h_x);
+  }
+  void upload_inputs(GpuState& st, int nt) {
     gpu::copy_h2d(st.pos, st.h_pos, sizeof(int32_t) * nt, stream_);
     if (embed_dev_.data) {
-      std::memcpy(st.h_idx, tokens.data(), sizeof(int32_t) * nt);
       gpu::copy_h2d(st.tokens, st.h_idx, sizeof(int32_t) * nt, stream_);
       gpu::embed_rows(embed_dev_, st.tokens, nt, st.x, stream_);
-      gpu::sync_stream(stream_);
     } else {
-      gpu::sync_stream(stream_);  // h_x may still be in flight from the previous micro-batch
-      cpu::embed(pool, w_.tok_embd, tokens, st.h_x);
-      gpu::copy_h2d(st.x, st.h_x, sizeof(float) * nt * E, stream_);
+      gpu::copy_h2d(st.x, st.h_x, sizeof(float) * nt * c_.n_embd, stream_);
     }
+  }
 
-    for (int l = 0; l < c.n_layer; ++l) {
-      GLayer& G = layers_[l];
-      gpu::rms_norm(st.x, G.attn_norm, st.xn, E, nt, c.rms_eps, E, E, stream_);
-      linear(st, pool, G.wq, st.xn, nt, st.q, qw);
-      linear(st, pool, G.wk, st.xn, nt, st.k, kw);
-      linear(st, pool, G.wv, st.xn, nt, st.v, vw);
-      gpu::rms_norm(st.q, G.q_norm, st.q, hd, nt * c.n_head, c.rms_eps, hd, hd, stream_);
-      gpu::rms_norm(st.k, G.k_norm, st.k, hd, nt * c.n_head_kv, c.rms_eps, hd, hd, stream_);
-      gpu::rope_neox(st.q, nt, c.n_head, hd, qw, c.n_rot, st.pos, c.rope_base, c.rope_freq_scale, stream_);
-      gpu::rope_neox(st.k, nt, c.n_head_kv, hd, kw, c.n_rot, st.pos, c.rope_base, c.rope_freq_scale, stream_);
-      gpu::kv_store(st.kv[l], st.pos, nt, st.k, kw, st.v, vw, c.n_head_kv, hd, hdv, stream_);
-      gpu::attention(st.q, qw, st.kv[l], pos0, st.pos, nt, st.n_ctx(), c.n_head, c.n_head_kv, hd, hdv,
-                     1.0f / std::sqrt(static_cast<float>(hd)), st.att, aw, st.attn_scratch, st.attn_scratch_bytes, stream_);
-      linear(st, pool, G.wo, st.att, nt, st.y, E);
-      gpu::add(st.x, st.y, static_cast<int64_t>(nt) * E, stream_);
-
-      gpu::rms_norm(st.x, G.ffn_norm, st.xn, E, nt, c.rms_eps, E, E, stream_);
-      if (G.moe) {
-        moe(st, pool, G, nt);
-      } else {
-        const int64_t ff = c.n_ff;
-        linear(st, pool, G.ffn_gate, st.xn, nt, st.g, ff);
-        linear(st, pool, G.ffn_up, st.xn, nt, st.u, ff);
-        gpu::swiglu(st.g, st.u, st.g, static_cast<int64_t>(nt) * ff, stream_);
-        linear(st, pool, G.ffn_down, st.g, nt, st.y, E);
-      }
-      gpu::add(st.x, st.y, static_cast<int64_t>(nt) * E, stream_);
+  // Decode steps replay CUDA graphs: one per stretch of GPU work between two points where the CPU
+  // must act (the host experts of a hybrid layer). Captured at the first step of a state; positions,
+  // tokens and expert choices live in device memory, so the same graphs serve every later step.
+  class Segments {
+   public:
+    Segments(std::vector<void*>& graphs, void* stream) : graphs_(graphs), stream_(stream) {}
+    void begin() {
+      replay_ = idx_ < graphs_.size() && graphs_[idx_];
+      if (!replay_) gpu::begin_capture(stream_);
     }
-
-    if (n_out > 0) {
-      const float* last = st.x + static_cast<int64_t>(nt - n_out) * E;
-      gpu::rms_norm(last, output_norm_, st.xn, E, n_out, c.rms_eps, E, E, stream_);
-      // Logits in slices of at most 64 rows (the device logits buffer), copied out as they finish.
-      for (int r0 = 0; r0 < n_out; r0 += 64) {
-        const int nr = std::min(64, n_out - r0);
-        linear(st, pool, output_, st.xn + static_cast<int64_t>(r0) * E, nr, st.logits, c.n_vocab);
-        gpu::copy_d2h(logits + static_cast<size_t>(r0) * c.n_vocab, st.logits, sizeof(float) * nr * c.n_vocab, stream_);
-        gpu::sync_stream(stream_);
+    void end() {
+      if (!replay_) {
+        if (graphs_.size() <= idx_) graphs_.resize(idx_ + 1, nullptr);
+        graphs_[idx_] = gpu::end_capture(stream_);
       }
+      gpu::launch_graph(graphs_[idx_], stream_);
+      ++idx_;
+    }
+    bool recording() const { return !replay_; }
+
+   private:
+    std::vector<void*>& graphs_;
+    void* stream_;
+    size_t idx_ = 0;
+    bool replay_ = false;
+  };
+
+  void decode_step_graphs(GpuState& st, ThreadPool& pool, int32_t token, int pos0, float* logits) {
+    const int L = c_.n_layer;
+    prepare_inputs(st, pool, std::span<const int32_t>(&token, 1), pos0);
+    Segments seg(st.graphs, stream_);
+    seg.begin();
+    if (seg.recording()) {
+      upload_inputs(st, 1);
+      attention_block(st, pool, 0, 1, pos0);
+      ffn_gpu(st, pool, 0, 1);
+    }
+    for (int l = 0; l < L; ++l) {
+      if (hybrid(l)) {
+        seg.end();
+        ffn_host(st, pool, l, 1);
+        seg.begin();
+      }
+      if (!seg.recording()) continue;
+      ffn_finish(st, l, 1);
+      if (l + 1 < L) {
+        attention_block(st, pool, l + 1, 1, pos0);
+        ffn_gpu(st, pool, l + 1, 1);
+      } else if (logits) {
+        head(st, pool, 1, 1, 0);
+      }
+    }
+    seg.end();
+    gpu::sync_stream(stream_);
+    if (logits) std::memcpy(logits, st.h_out, sizeof(float) * c_.n_vocab);
+  }
+
+  void micro_batch(GpuState& st, ThreadPool& pool, std::span<const int32_t> tokens, int pos0, int n_out, float* logits) {
+    const int nt = static_cast<int>(tokens.size());
+    // Graphs are captured with the output head, so only steps that want logits replay them.
+    if (nt == 1 && n_out == 1 && graphs_ok_) return decode_step_graphs(st, pool, tokens[0], pos0, logits);
+    prepare_inputs(st, pool, tokens, pos0);
+    upload_inputs(st, nt);
+    for (int l = 0; l < c_.n_layer; ++l) {
+      attention_block(st, pool, l, nt, pos0);
+      if (layers_[l].moe && nt > gpu::kMaxVecTokens) {
+        moe_prefill(st, pool, layers_[l], nt);
+        gpu::add(st.x, st.y, static_cast<int64_t>(nt) * c_.n_embd, stream_);
+        continue;
+      }
+      ffn_gpu(st, pool, l, nt);
+      if (hybrid(l)) ffn_host(st, pool, l, nt);
+      ffn_finish(st, l, nt);
+      if (hybrid(l)) gpu::sync_stream(stream_);  // h_ey is rewritten by the next layer
+    }
+    for (int r0 = 0; r0 < n_out; r0 += 64) {
+      head(st, pool, nt, n_out, r0);
+      gpu::sync_stream(stream_);
+      std::memcpy(logits + static_cast<size_t>(r0) * c_.n_vocab, st.h_out,
+                  sizeof(float) * std::min(64, n_out - r0) * c_.n_vocab);
     }
     gpu::sync_stream(stream_);
   }
 
-  // Routed experts of one layer: input st.xn [nt][E], output st.y [nt][E].
-  void moe(GpuState& st, ThreadPool& pool, GLayer& G, int nt) {
+  // Routed experts of one layer for a prefill micro-batch: input st.xn [nt][E], output st.y [nt][E].
+  void moe_prefill(GpuState& st, ThreadPool& pool, GLayer& G, int nt) {
     const ModelConfig& c = c_;
     const int E = c.n_embd, k = c.n_expert_used, n_slots = nt * k;
     const int64_t ff = c.n_ff_exp;
     GExperts& X = G.experts;
     linear(st, pool, G.router, st.xn, nt, st.rlogits, c.n_expert);
     gpu::route_topk(st.rlogits, nt, c.n_expert, k, st.ids, st.wts, stream_);
-    const bool hybrid = X.n_dev < c.n_expert;
-
-    if (nt <= gpu::kMaxVecTokens) {
-      if (hybrid) {
-        // The CPU needs the choices and the normed input; copy them out first so the CPU can start
-        // while the GPU runs its own experts.
-        gpu::copy_d2h(st.h_ids, st.ids, sizeof(int32_t) * n_slots, stream_);
-        gpu::copy_d2h(st.h_xn, st.xn, sizeof(float) * nt * E, stream_);
-        gpu::record_event(st.ev_route, stream_);
-      }
-      if (X.n_dev > 0) {
-        const DType act = dtype_info(X.gate.type).act_type;
-        gpu::quantize_acts(act, st.xn, E, nt, E, st.acts, stream_);
-        gpu::matvec_experts(X.gate, st.ids, X.slot_of_dev, n_slots, st.acts, st.act_row, st.g, ff, stream_);
-        gpu::matvec_experts(X.up, st.ids, X.slot_of_dev, n_slots, st.acts, st.act_row, st.u, ff, stream_);
-        gpu::swiglu(st.g, st.u, st.g, n_slots * ff, stream_);
-        gpu::quantize_acts(dtype_info(X.down.type).act_type, st.g, ff, n_slots, ff, st.acts, stream_);
-        gpu::matvec_experts(X.down, st.ids, X.slot_of_dev, n_slots, st.acts, st.ident, st.ey, E, stream_);
-      }
-      if (hybrid) {
-        gpu::sync_event(st.ev_route);
-        std::vector<int32_t> tok, exp, slot;
-        for (int j = 0; j < n_slots; ++j)
-          if (X.slot_of[st.h_ids[j]] < 0) tok.push_back(j / k), exp.push_back(st.h_ids[j]), slot.push_back(j);
-        if (!tok.empty()) {
-          cpu::expert_ffn(pool, *X.host, st.h_xn, nt, E, tok.data(), exp.data(), static_cast<int>(tok.size()), st.h_ey,
-                          st.cpu_scratch);
-          for (size_t i = 0; i < slot.size(); ++i)
-            gpu::copy_h2d(st.ey + static_cast<int64_t>(slot[i]) * E, st.h_ey + i * E, sizeof(float) * E, stream_);
-        }
-      }
-      gpu::moe_combine(st.ey, st.wts, nt, k, E, st.y, stream_);
-      if (hybrid) gpu::sync_stream(stream_);  // h_ey is rewritten by the next layer
-      return;
-    }
-
     // Prefill: group slots by expert on the host.
     gpu::copy_d2h(st.h_ids, st.ids, sizeof(int32_t) * n_slots, stream_);
     gpu::sync_stream(stream_);
@@ -543,6 +651,7 @@ class Qwen3Gpu final : public GpuRunner {
   const float* output_norm_ = nullptr;
   DevMatrix embed_dev_;
   std::vector<GLayer> layers_;
+  bool graphs_ok_ = false;
 };
 
 }  // namespace
