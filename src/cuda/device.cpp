@@ -141,7 +141,17 @@ void* create_event() {
   return e;
 }
 void destroy_event(void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); }
-void record_event(void* e, void* s) { check(cudaEventRecord(static_cast<cudaEvent_t>(e), static_cast<cudaStream_t>(s)), "cudaEventRecord"); }
+// External: inside a stream capture the record becomes a graph node that the host can wait for
+// (a plain record would only order work within the graph).
+void record_event(void* e, void* s) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(static_cast<cudaStream_t>(s), &st), "cudaStreamIsCapturing");
+  if (st == cudaStreamCaptureStatusActive)
+    check(cudaEventRecordWithFlags(static_cast<cudaEvent_t>(e), static_cast<cudaStream_t>(s), cudaEventRecordExternal),
+          "cudaEventRecord");
+  else
+    check(cudaEventRecord(static_cast<cudaEvent_t>(e), static_cast<cudaStream_t>(s)), "cudaEventRecord");
+}
 void wait_event(void* s, void* e) {
   check(cudaStreamWaitEvent(static_cast<cudaStream_t>(s), static_cast<cudaEvent_t>(e), 0), "cudaStreamWaitEvent");
 }

@@ -193,6 +193,14 @@ TEST_F(GpuOps, QuantizeActsByteExact) {
         }
       EXPECT_EQ(first_bad, ref.size()) << dtype_name(act) << " n=" << n << ": first differing byte " << first_bad
                                        << " (row " << first_bad / stride << ")";
+      if (first_bad != ref.size()) {
+        const size_t b0 = first_bad / 34 * 34;  // dump the neighbourhood for diagnosis
+        std::string dump = "  want:";
+        for (size_t i = b0; i < std::min(ref.size(), b0 + 12); ++i) dump += " " + std::to_string(ref[i]);
+        dump += "\n  got: ";
+        for (size_t i = b0; i < std::min(ref.size(), b0 + 12); ++i) dump += " " + std::to_string(got[i]);
+        std::printf("%s\n  x[0..3] = %g %g %g %g\n", dump.c_str(), x[0], x[1], x[2], x[3]);
+      }
     }
   }
 }
