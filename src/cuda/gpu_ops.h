@@ -110,3 +110,32 @@ void route_topk(const float* logits, int n_tokens, int n_expert, int k, int32_t*
 void moe_combine(const float* y, const float* weights, int n_tokens, int k, int n, float* out, Stream s);
 
 }  // namespace fitmoe::gpu
+
+// ==== grouped expert products (src/cuda/moe_gemm.cu) =============================================
+namespace fitmoe::gpu {
+
+// Grouped expert products for prefill: every expert of a layer in ONE launch. The slots of a micro-batch
+// are sorted by expert: expert e owns slot range [offsets[e], offsets[e+1]) of n_experts+1 offsets
+// (device; non-decreasing, offsets[n_experts] - offsets[0] <= n_slots_max). For each expert e with
+// matrix m = slot_of ? slot_of[e] : e (skipped when m < 0 or m >= w.n_mats: y rows of its slots are
+// left untouched) and each slot i in its range:
+//   y[o * ld_y + r] = W_m[r] . x[rows ? rows[i] : i]   for r < w.rows, o = y_rows ? y_rows[i] : i
+// (x rows are ld_x floats apart; y_rows scatters the outputs, e.g. back to the router's slot order).
+// W: DevMatrix of stacked experts (any weight type matmul takes; cols a multiple of 32). Activations are
+// rounded to f16 (bf16 for BF16 weights, f32 for F32 weights), weights dequantized exactly then rounded
+// to f16, f32 accumulation: the same numerics as gpu::matmul, only the summation order differs.
+// All arrays are on the device and n_slots_max only sizes the grid, so the call can be captured in a
+// CUDA graph. No scratch. Tensor cores (wmma) from sm_70 (BF16 weights: sm_80), CUDA cores otherwise
+// and for F32 weights.
+// `tile` is a testing / tuning knob: 0 picks the kernel, 64 / 128 force the tensor-core kernel with
+// that many tokens per tile (where the device runs it), -1 forces the CUDA-core kernel.
+void moe_matmul(const DevMatrix& w, const int32_t* offsets, int n_experts, const int32_t* slot_of, const float* x,
+                int64_t ld_x, const int32_t* rows, int n_slots_max, float* y, int64_t ld_y, Stream s,
+                const int32_t* y_rows = nullptr, int tile = 0);
+// The same for gate and up (same type and shape) with the SwiGLU fused:
+//   h[o * ld_h + r] = silu(Gate_m[r] . x_i) * (Up_m[r] . x_i)   (silu(g) * u exactly as gpu::swiglu)
+void moe_matmul_swiglu(const DevMatrix& gate, const DevMatrix& up, const int32_t* offsets, int n_experts,
+                       const int32_t* slot_of, const float* x, int64_t ld_x, const int32_t* rows, int n_slots_max,
+                       float* h, int64_t ld_h, Stream s, const int32_t* h_rows = nullptr, int tile = 0);
+
+}  // namespace fitmoe::gpu
