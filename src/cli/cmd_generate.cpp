@@ -7,6 +7,7 @@
 
 #include "cli/common.h"
 #include "runtime/error.h"
+#include "text/tokenizer.h"
 
 namespace fitmoe::cli {
 
@@ -15,6 +16,7 @@ namespace {
 struct GenArgs {
   ModelOptions model;
   std::string tokens;
+  std::string prompt, prompt_file;
   int n_predict = 32;
   SamplerParams sampler;
 };
@@ -33,22 +35,46 @@ void register_run(CLI::App& app) {
   auto* cmd = app.add_subcommand("run", "generate from a prompt, streaming the output, then print speed");
   auto a = std::make_shared<GenArgs>();
   add_model_options(*cmd, a->model);
-  cmd->add_option("--tokens", a->tokens, "prompt as token ids, comma separated")->required();
+  auto* p_opt = cmd->add_option("-p,--prompt", a->prompt, "prompt text (tokenized with the model's tokenizer)");
+  auto* f_opt = cmd->add_option("-f,--file", a->prompt_file, "read the prompt text from a file");
+  auto* t_opt = cmd->add_option("--tokens", a->tokens, "prompt as token ids, comma separated (prints ids)");
+  p_opt->excludes(t_opt)->excludes(f_opt);
+  t_opt->excludes(f_opt);
   cmd->add_option("-n,--n-predict", a->n_predict, "tokens to generate")->check(CLI::NonNegativeNumber);
   add_sampler_options(*cmd, a->sampler);
   cmd->callback([a] {
+    if (a->tokens.empty() && a->prompt.empty() && a->prompt_file.empty())
+      throw Error("run needs a prompt: -p TEXT, -f FILE or --tokens IDS");
     auto model = load_model(a->model);
     Session s(*model, session_options(a->model));
-    auto prompt = parse_token_list(a->tokens);
     Sampler sampler(a->sampler);
     GenerationStats st;
-    bool first = true;
-    s.generate(prompt, a->n_predict, sampler, [&](int32_t t) {
-      std::printf(first ? "%d" : ",%d", t);
-      first = false;
-      std::fflush(stdout);
-      return true;
-    }, {}, &st);
+    if (!a->tokens.empty()) {
+      // Token-level mode: ids in, ids out.
+      auto prompt = parse_token_list(a->tokens);
+      bool first = true;
+      s.generate(prompt, a->n_predict, sampler, [&](int32_t t) {
+        std::printf(first ? "%d" : ",%d", t);
+        first = false;
+        std::fflush(stdout);
+        return true;
+      }, {}, &st);
+    } else {
+      std::string text = a->prompt;
+      if (!a->prompt_file.empty()) text = read_text_file(a->prompt_file);
+      auto tok = Tokenizer::from_gguf(model->file());
+      auto prompt = tok->encode(text, /*add_special=*/true);
+      if (prompt.empty()) throw Error("the prompt tokenizes to nothing");
+      StreamDecoder out(*tok);
+      std::printf("%s", text.c_str());
+      const auto eog = tok->eog_tokens();
+      s.generate(prompt, a->n_predict, sampler, [&](int32_t t) {
+        if (!tok->is_eog(t)) std::printf("%s", out.push(t).c_str());
+        std::fflush(stdout);
+        return true;
+      }, eog, &st);
+      std::printf("%s", out.flush().c_str());
+    }
     std::printf("\n");
     print_speed(*model, st);
   });

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <sstream>
 
 #include "runtime/error.h"
@@ -122,6 +123,14 @@ void Progress::update(uint64_t done, uint64_t total) {
 
 void Progress::finish() {
   if (shown_ && isatty(STDERR_FILENO)) std::fprintf(stderr, "\n");
+}
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw Error(path + ": cannot open");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
 }
 
 std::string human_bytes(double b) {

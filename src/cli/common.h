@@ -54,6 +54,7 @@ class Progress {
 };
 
 std::string human_bytes(double bytes);
+std::string read_text_file(const std::string& path);  // raw bytes; throws Error naming the file
 double now_seconds();
 
 // Registration of each subcommand (one file each in src/cli/).
@@ -66,5 +67,6 @@ void register_gen_model(CLI::App& app);
 void register_plan(CLI::App& app);
 void register_tokenize(CLI::App& app);
 void register_detokenize(CLI::App& app);
+void register_chat(CLI::App& app);
 
 }  // namespace fitmoe::cli

@@ -18,6 +18,7 @@ int main(int argc, char** argv) {
   fitmoe::cli::register_plan(app);
   fitmoe::cli::register_tokenize(app);
   fitmoe::cli::register_detokenize(app);
+  fitmoe::cli::register_chat(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -33,6 +33,12 @@ std::vector<float> Session::eval(std::span<const int32_t> tokens, int n_logits) 
   return logits;
 }
 
+void Session::truncate(int n) {
+  n = std::clamp(n, 0, static_cast<int>(history_.size()));
+  state_->truncate(n);
+  history_.resize(static_cast<size_t>(n));
+}
+
 std::vector<int32_t> Session::generate(std::span<const int32_t> prompt, int n_predict, Sampler& sampler,
                                        const std::function<bool(int32_t)>& on_token,
                                        std::span<const int32_t> stop_tokens, GenerationStats* stats) {

@@ -41,6 +41,11 @@ class Session {
   // positions ([n_logits][n_vocab]). n_logits may exceed one batch.
   std::vector<float> eval(std::span<const int32_t> tokens, int n_logits = 1);
 
+  // Tokens whose K/V the state holds, in order (what eval() and generate() fed).
+  const std::vector<int32_t>& history() const { return history_; }
+  // Forgets every position from n on (chat rewinds to the part of a conversation that is unchanged).
+  void truncate(int n);
+
   // Prompt in batches, then one token per step until n_predict tokens, a stop token or a callback
   // returning false. on_token sees each generated id.
   std::vector<int32_t> generate(std::span<const int32_t> prompt, int n_predict, Sampler& sampler,
