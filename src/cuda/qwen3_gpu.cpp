@@ -94,8 +94,9 @@ class GpuState final : public ModelState {
     for (void* p : pinned) gpu::free_pinned(p);
     for (void* g : graphs)
       if (g) gpu::destroy_graph(g);
-    for (void* e : {ev_route, ev_stage[0], ev_stage[1]})
+    for (void* e : {ev_route, ev_stage[0], ev_stage[1], ev_copied[0], ev_copied[1]})
       if (e) gpu::destroy_event(e);
+    if (copy_stream) gpu::destroy_stream(copy_stream);
   }
   size_t bytes() const override { return (k_bytes + v_bytes) * kv.size(); }
 
@@ -130,8 +131,12 @@ class GpuState final : public ModelState {
   float *h_x = nullptr, *h_xn = nullptr, *h_wts = nullptr, *h_ey = nullptr, *h_out = nullptr;
   int32_t *h_ids = nullptr, *h_pos = nullptr, *h_idx = nullptr;
   void* ev_route = nullptr;
-  void* ev_stage[2] = {nullptr, nullptr};
+  void* ev_stage[2] = {nullptr, nullptr};   // compute finished with staging buffer b
+  void* ev_copied[2] = {nullptr, nullptr};  // upload into staging buffer b finished
   void* copy_stream = nullptr;
+  int32_t* offsets = nullptr;               // grouped-expert offsets [n_expert + 1]
+  int32_t* slotmap[2] = {nullptr, nullptr}; // expert -> position in staging buffer b, -1 elsewhere
+  int32_t* h_slotmap = nullptr;             // pinned, one map per chunk of a layer
   cpu::Scratch cpu_scratch;
 
  private:
@@ -299,18 +304,23 @@ class Qwen3Gpu final : public GpuRunner {
     st.dequant = st.dev_bytes(st.dequant_bytes, "dequantized weight tiles");
     st.attn_scratch_bytes = gpu::attention_scratch_bytes(U, st.n_ctx(), c_.n_head, c_.head_dim_v);
     st.attn_scratch = st.dev_bytes(st.attn_scratch_bytes, "attention scratch");
-    // Staging for host experts uploaded during prefill: two buffers of one expert each.
+    // Staging for host experts uploaded during prefill: two buffers of kStageExperts experts each.
     if (c_.n_expert) {
-      const auto& L0 = w_.layers[0].experts;
-      st.stage_bytes = L0.gate.matrix_bytes() + L0.up.matrix_bytes() + L0.down.matrix_bytes();
-      for (int layer = 1; layer < c_.n_layer; ++layer) {
-        const auto& Lx = w_.layers[layer].experts;
-        st.stage_bytes = std::max(st.stage_bytes, Lx.gate.matrix_bytes() + Lx.up.matrix_bytes() + Lx.down.matrix_bytes());
+      size_t per_expert = 0;
+      for (const auto& L : w_.layers)
+        per_expert = std::max(per_expert, L.experts.gate.matrix_bytes() + L.experts.up.matrix_bytes() +
+                                              L.experts.down.matrix_bytes());
+      st.stage_bytes = per_expert * kStageExperts;
+      for (int b = 0; b < 2; ++b) {
+        st.stage[b] = st.dev_bytes(st.stage_bytes, "expert upload staging");
+        st.slotmap[b] = static_cast<int32_t*>(st.dev_bytes(sizeof(int32_t) * E, "routing tables"));
+        st.ev_stage[b] = gpu::create_event();
+        st.ev_copied[b] = gpu::create_event();
+        gpu::record_event(st.ev_stage[b], stream_);  // both buffers start free
       }
-      st.stage[0] = st.dev_bytes(st.stage_bytes, "expert upload staging");
-      st.stage[1] = st.dev_bytes(st.stage_bytes, "expert upload staging");
-      st.ev_stage[0] = gpu::create_event();
-      st.ev_stage[1] = gpu::create_event();
+      st.offsets = static_cast<int32_t*>(st.dev_bytes(sizeof(int32_t) * (E + 1), "routing tables"));
+      st.h_slotmap = st.host<int32_t>(static_cast<size_t>(E) * ((E + kStageExperts - 1) / kStageExperts));
+      st.copy_stream = gpu::create_stream();
     }
     st.h_x = st.host<float>(static_cast<size_t>(U) * n);
     st.h_xn = st.host<float>(static_cast<size_t>(U) * n);
@@ -318,7 +328,7 @@ class Qwen3Gpu final : public GpuRunner {
     st.h_ids = st.host<int32_t>(slots);
     st.h_ey = st.host<float>(static_cast<size_t>(slots) * n);
     st.h_pos = st.host<int32_t>(U);
-    st.h_idx = st.host<int32_t>(2 * slots + 2);
+    st.h_idx = st.host<int32_t>(2 * slots + E + 2);
     // Host-side products (weights the plan left on the host): logits come in slices of 64 rows.
     st.h_out = st.host<float>(std::max<size_t>(static_cast<size_t>(64) * c_.n_vocab,
                                                static_cast<size_t>(U) * std::max<int64_t>({qw, aw, n, ff, E})));
@@ -552,93 +562,117 @@ class Qwen3Gpu final : public GpuRunner {
   }
 
   // Routed experts of one layer for a prefill micro-batch: input st.xn [nt][E], output st.y [nt][E].
+  // Slots are grouped by expert on the host; every device-resident expert then runs in one grouped
+  // launch per matrix (gate+up with SwiGLU fused, then down, scattered back to the slots' rows). The
+  // host-resident experts the batch uses are either computed on the CPU or uploaded in chunks of
+  // kStageExperts through two staging buffers, the upload of one chunk overlapping the products of
+  // the previous one (a second stream and two event pairs keep them in order).
   void moe_prefill(GpuState& st, ThreadPool& pool, GLayer& G, int nt) {
     const ModelConfig& c = c_;
-    const int E = c.n_embd, k = c.n_expert_used, n_slots = nt * k;
+    const int E = c.n_embd, k = c.n_expert_used, n_slots = nt * k, NE = c.n_expert;
     const int64_t ff = c.n_ff_exp;
     GExperts& X = G.experts;
-    linear(st, pool, G.router, st.xn, nt, st.rlogits, c.n_expert);
-    gpu::route_topk(st.rlogits, nt, c.n_expert, k, st.ids, st.wts, stream_);
-    // Prefill: group slots by expert on the host.
+    linear(st, pool, G.router, st.xn, nt, st.rlogits, NE);
+    gpu::route_topk(st.rlogits, nt, NE, k, st.ids, st.wts, stream_);
     gpu::copy_d2h(st.h_ids, st.ids, sizeof(int32_t) * n_slots, stream_);
     gpu::sync_stream(stream_);
-    std::vector<std::vector<int32_t>> by_expert(c.n_expert);
+
+    // Group by expert: offsets, the token of each grouped slot, and the router slot it came from.
+    std::vector<int32_t> count(NE + 1, 0);
     for (int j = 0; j < n_slots; ++j) {
       const int e = st.h_ids[j];
-      if (e < 0 || e >= c.n_expert) throw Error("router chose an expert out of range");
-      by_expert[e].push_back(j);
+      if (e < 0 || e >= NE) throw Error("router chose an expert out of range");
+      count[e + 1]++;
     }
-    // Host experts this batch uses: upload them (PCIe) or run them on the CPU, whichever the cost model
-    // says is cheaper for this many tokens.
-    double host_bytes = 0;
-    int host_assign = 0;
-    const double per_expert = static_cast<double>(X.host->gate.matrix_bytes() + X.host->up.matrix_bytes() + X.host->down.matrix_bytes());
-    for (int e = 0; e < c.n_expert; ++e)
-      if (X.slot_of[e] < 0 && !by_expert[e].empty()) host_bytes += per_expert, host_assign += static_cast<int>(by_expert[e].size());
-    const auto& m = plan_.machine;
-    const double t_upload = m.pcie_bw > 0 ? host_bytes / m.pcie_bw : 1e9;
-    const double t_cpu = m.cpu_int8_flops > 0 ? host_assign * 2.0 * per_expert / 0.6 / m.cpu_int8_flops : 1e9;
-    const std::string& mode = plan_.options.prefill_host_experts;
-    const bool cpu_for_host = host_assign > 0 && (mode == "cpu" || (mode == "auto" && t_cpu < t_upload));
-
-    std::vector<int32_t> cpu_tok, cpu_exp, cpu_slot;
-    if (cpu_for_host) {
-      gpu::copy_d2h(st.h_xn, st.xn, sizeof(float) * nt * E, stream_);
-      gpu::sync_stream(stream_);
-      for (int e = 0; e < c.n_expert; ++e)
-        if (X.slot_of[e] < 0)
-          for (int j : by_expert[e]) cpu_tok.push_back(j / k), cpu_exp.push_back(e), cpu_slot.push_back(j);
-    }
-    // Index lists for every expert of the batch, uploaded once: tokens to gather, slots to scatter to.
-    std::vector<int> first(c.n_expert, 0);
-    int off = 0;
-    for (int e = 0; e < c.n_expert; ++e) {
-      first[e] = off;
-      for (int j : by_expert[e]) st.h_idx[off] = j / k, st.h_idx[n_slots + off] = j, ++off;
-    }
-    gpu::copy_h2d(st.idx_a, st.h_idx, sizeof(int32_t) * n_slots, stream_);
-    gpu::copy_h2d(st.idx_b, st.h_idx + n_slots, sizeof(int32_t) * n_slots, stream_);
-    int stage_i = 0;
-    for (int e = 0; e < c.n_expert; ++e) {
-      const auto& slots = by_expert[e];
-      if (slots.empty()) continue;
-      DevMatrix g3, u3, d3;
-      int64_t mat = 0;
-      if (X.slot_of[e] >= 0) {
-        g3 = X.gate, u3 = X.up, d3 = X.down;
-        mat = X.slot_of[e];
-      } else if (cpu_for_host) {
-        continue;
-      } else {
-        // Upload this expert into a staging buffer (stream order keeps it behind the buffer's last use).
-        uint8_t* s = static_cast<uint8_t*>(st.stage[stage_i]);
-        const Weight gw = X.host->gate.expert(e), uw = X.host->up.expert(e), dw = X.host->down.expert(e);
-        gpu::copy_h2d(s, gw.host, gw.matrix_bytes(), stream_);
-        gpu::copy_h2d(s + gw.matrix_bytes(), uw.host, uw.matrix_bytes(), stream_);
-        gpu::copy_h2d(s + gw.matrix_bytes() + uw.matrix_bytes(), dw.host, dw.matrix_bytes(), stream_);
-        g3 = matrix_view(gw, s);
-        u3 = matrix_view(uw, s + gw.matrix_bytes());
-        d3 = matrix_view(dw, s + gw.matrix_bytes() + uw.matrix_bytes());
-        g3.n_mats = u3.n_mats = d3.n_mats = 1;
-        stage_i ^= 1;
+    int32_t* h_off = st.h_idx;                 // [NE + 1]
+    int32_t* h_rows = st.h_idx + NE + 1;       // [n_slots]
+    int32_t* h_dst = h_rows + n_slots;         // [n_slots]
+    h_off[0] = 0;
+    for (int e = 0; e < NE; ++e) h_off[e + 1] = h_off[e] + count[e + 1];
+    {
+      std::vector<int32_t> fill(h_off, h_off + NE);
+      for (int j = 0; j < n_slots; ++j) {
+        const int i = fill[st.h_ids[j]]++;
+        h_rows[i] = j / k;
+        h_dst[i] = j;
       }
-      const int cnt = static_cast<int>(slots.size());
-      // Gather the tokens' inputs, run the expert, scatter its outputs to the slots' rows.
-      gpu::copy_rows(st.xn, E, st.idx_a + first[e], st.xg, E, nullptr, cnt, E, stream_);
-      matmul_chunked(st, g3, mat, st.xg, E, cnt, st.g, ff);
-      matmul_chunked(st, u3, mat, st.xg, E, cnt, st.u, ff);
-      gpu::swiglu(st.g, st.u, st.g, cnt * ff, stream_);
-      matmul_chunked(st, d3, mat, st.g, ff, cnt, st.xg, E);
-      gpu::copy_rows(st.xg, E, nullptr, st.ey, E, st.idx_b + first[e], cnt, E, stream_);
     }
-    if (!cpu_tok.empty()) {
-      cpu::expert_ffn(pool, *X.host, st.h_xn, nt, E, cpu_tok.data(), cpu_exp.data(), static_cast<int>(cpu_tok.size()),
-                      st.h_ey, st.cpu_scratch);
-      for (size_t i = 0; i < cpu_slot.size(); ++i)
-        gpu::copy_h2d(st.ey + static_cast<int64_t>(cpu_slot[i]) * E, st.h_ey + i * E, sizeof(float) * E, stream_);
+    gpu::copy_h2d(st.offsets, h_off, sizeof(int32_t) * (NE + 1), stream_);
+    gpu::copy_h2d(st.idx_a, h_rows, sizeof(int32_t) * n_slots, stream_);
+    gpu::copy_h2d(st.idx_b, h_dst, sizeof(int32_t) * n_slots, stream_);
+
+    if (X.n_dev > 0) {
+      gpu::moe_matmul_swiglu(X.gate, X.up, st.offsets, NE, X.slot_of_dev, st.xn, E, st.idx_a, n_slots, st.g, ff, stream_);
+      gpu::moe_matmul(X.down, st.offsets, NE, X.slot_of_dev, st.g, ff, nullptr, n_slots, st.ey, E, stream_, st.idx_b);
+    }
+
+    // Host-resident experts this batch uses, and the cost model's choice between PCIe and the CPU.
+    std::vector<int> host_used;
+    int host_assign = 0;
+    for (int e = 0; e < NE; ++e)
+      if (X.slot_of[e] < 0 && count[e + 1] > 0) host_used.push_back(e), host_assign += count[e + 1];
+    if (!host_used.empty()) {
+      const double per_expert = static_cast<double>(X.host->gate.matrix_bytes() + X.host->up.matrix_bytes() +
+                                                    X.host->down.matrix_bytes());
+      const auto& m = plan_.machine;
+      const double t_upload = m.pcie_bw > 0 ? host_used.size() * per_expert / m.pcie_bw : 1e9;
+      const double t_cpu = m.cpu_int8_flops > 0 ? host_assign * 2.0 * per_expert / 0.6 / m.cpu_int8_flops : 1e9;
+      const std::string& mode = plan_.options.prefill_host_experts;
+      if (mode == "cpu" || (mode == "auto" && t_cpu < t_upload)) {
+        host_experts_on_cpu(st, pool, X, host_used, h_off, h_rows, h_dst, nt);
+      } else {
+        upload_host_experts(st, X, host_used, n_slots);
+      }
     }
     gpu::moe_combine(st.ey, st.wts, nt, k, E, st.y, stream_);
     gpu::sync_stream(stream_);
+  }
+
+  void host_experts_on_cpu(GpuState& st, ThreadPool& pool, GExperts& X, const std::vector<int>& used,
+                           const int32_t* h_off, const int32_t* h_rows, const int32_t* h_dst, int nt) {
+    const int E = c_.n_embd;
+    gpu::copy_d2h(st.h_xn, st.xn, sizeof(float) * nt * E, stream_);
+    gpu::sync_stream(stream_);
+    std::vector<int32_t> tok, exp, slot;
+    for (int e : used)
+      for (int i = h_off[e]; i < h_off[e + 1]; ++i) tok.push_back(h_rows[i]), exp.push_back(e), slot.push_back(h_dst[i]);
+    cpu::expert_ffn(pool, *X.host, st.h_xn, nt, E, tok.data(), exp.data(), static_cast<int>(tok.size()), st.h_ey,
+                    st.cpu_scratch);
+    for (size_t i = 0; i < slot.size(); ++i)
+      gpu::copy_h2d(st.ey + static_cast<int64_t>(slot[i]) * E, st.h_ey + i * E, sizeof(float) * E, stream_);
+  }
+
+  void upload_host_experts(GpuState& st, GExperts& X, const std::vector<int>& used, int n_slots) {
+    const int NE = c_.n_expert, E = c_.n_embd;
+    const int64_t ff = c_.n_ff_exp;
+    const Weight &hg = X.host->gate, &hu = X.host->up, &hd = X.host->down;
+    const size_t bg = hg.matrix_bytes(), bu = hu.matrix_bytes(), bd = hd.matrix_bytes();
+    const int n_chunks = static_cast<int>((used.size() + kStageExperts - 1) / kStageExperts);
+    for (int ci = 0; ci < n_chunks; ++ci) {
+      const int b = ci & 1;
+      const int first = ci * kStageExperts, cnt = std::min<int>(kStageExperts, static_cast<int>(used.size()) - first);
+      uint8_t* base = static_cast<uint8_t*>(st.stage[b]);
+      // The copy may only overwrite buffer b once the products that read it (two chunks back) are done.
+      gpu::wait_event(st.copy_stream, st.ev_stage[b]);
+      int32_t* map = st.h_slotmap + static_cast<size_t>(ci) * NE;
+      std::fill(map, map + NE, -1);
+      for (int p = 0; p < cnt; ++p) {
+        const int e = used[first + p];
+        map[e] = p;
+        gpu::copy_h2d(base + bg * p, hg.expert(e).host, bg, st.copy_stream);
+        gpu::copy_h2d(base + bg * kStageExperts + bu * p, hu.expert(e).host, bu, st.copy_stream);
+        gpu::copy_h2d(base + (bg + bu) * kStageExperts + bd * p, hd.expert(e).host, bd, st.copy_stream);
+      }
+      gpu::copy_h2d(st.slotmap[b], map, sizeof(int32_t) * NE, st.copy_stream);
+      gpu::record_event(st.ev_copied[b], st.copy_stream);
+      gpu::wait_event(stream_, st.ev_copied[b]);
+      DevMatrix g3 = matrix_view(hg, base), u3 = matrix_view(hu, base + bg * kStageExperts),
+                d3 = matrix_view(hd, base + (bg + bu) * kStageExperts);
+      g3.n_mats = u3.n_mats = d3.n_mats = cnt;
+      gpu::moe_matmul_swiglu(g3, u3, st.offsets, NE, st.slotmap[b], st.xn, E, st.idx_a, n_slots, st.g, ff, stream_);
+      gpu::moe_matmul(d3, st.offsets, NE, st.slotmap[b], st.g, ff, nullptr, n_slots, st.ey, E, stream_, st.idx_b);
+      gpu::record_event(st.ev_stage[b], stream_);
+    }
   }
 
   const Qwen3Weights& w_;
@@ -652,6 +686,7 @@ class Qwen3Gpu final : public GpuRunner {
   DevMatrix embed_dev_;
   std::vector<GLayer> layers_;
   bool graphs_ok_ = false;
+  static constexpr int kStageExperts = 16;  // host experts per upload chunk during prefill
 };
 
 }  // namespace

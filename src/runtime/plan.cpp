@@ -116,11 +116,11 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
     const uint64_t logits = static_cast<uint64_t>(cfg.n_vocab) * 4 * 64;  // logits come out 64 rows at a time
     const uint64_t dequant = 64 * MiB;                               // prefill: dequantized weight tiles
     const uint64_t attn = 2 * u * cfg.n_head * (static_cast<uint64_t>(std::min(opt.n_ctx, 4096)) + cfg.head_dim_v) * 4;
-    // Two staging buffers for host experts uploaded during prefill (one expert each).
+    // Two staging buffers for host experts uploaded during prefill (16 experts each, as the GPU engine).
     uint64_t staging = 0;
     if (E)
       for (const auto& t : file.tensors())
-        if (expert_layer(t.name) == 0) staging += 2 * (t.nbytes / E);
+        if (expert_layer(t.name) == 0) staging += 2 * 16 * (t.nbytes / E);
     p.gpu_scratch = (act + logits + dequant + attn + staging) * 11 / 10;
   }
   p.reserve = 640 * MiB;  // CUDA context, cuBLAS workspace, allocator slack
