@@ -116,7 +116,9 @@ namespace fitmoe::gpu {
 
 // Grouped expert products for prefill: every expert of a layer in ONE launch. The slots of a micro-batch
 // are sorted by expert: expert e owns slot range [offsets[e], offsets[e+1]) of n_experts+1 offsets
-// (device; non-decreasing, offsets[n_experts] - offsets[0] <= n_slots_max). For each expert e with
+// (device, non-decreasing). n_slots_max only sizes the grid: it must be at least the number of slots
+// of the experts that run (m >= 0 below), e.g. n_slots, or a chunk's slot count when slot_of maps only
+// that chunk's experts (tiles beyond the grid would be silently dropped). For each expert e with
 // matrix m = slot_of ? slot_of[e] : e (skipped when m < 0 or m >= w.n_mats: y rows of its slots are
 // left untouched) and each slot i in its range:
 //   y[o * ld_y + r] = W_m[r] . x[rows ? rows[i] : i]   for r < w.rows, o = y_rows ? y_rows[i] : i

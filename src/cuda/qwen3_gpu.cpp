@@ -13,6 +13,7 @@
 // compute) and running them on the CPU, from the planner's cost model.
 #include <algorithm>
 #include <cmath>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
@@ -602,7 +603,9 @@ class Qwen3Gpu final : public GpuRunner {
     gpu::copy_h2d(st.idx_b, h_dst, sizeof(int32_t) * n_slots, stream_);
 
     if (X.n_dev > 0) {
-      gpu::moe_matmul_swiglu(X.gate, X.up, st.offsets, NE, X.slot_of_dev, st.xn, E, st.idx_a, n_slots, st.g, ff, stream_);
+      // (Mixed gate/up types: the elementwise SwiGLU then runs over all slots; host experts' rows are
+      // recomputed from scratch below, so that is harmless.)
+      gate_up(st, X.gate, X.up, X.slot_of_dev, n_slots, 0, n_slots);
       gpu::moe_matmul(X.down, st.offsets, NE, X.slot_of_dev, st.g, ff, nullptr, n_slots, st.ey, E, stream_, st.idx_b);
     }
 
@@ -621,11 +624,28 @@ class Qwen3Gpu final : public GpuRunner {
       if (mode == "cpu" || (mode == "auto" && t_cpu < t_upload)) {
         host_experts_on_cpu(st, pool, X, host_used, h_off, h_rows, h_dst, nt);
       } else {
-        upload_host_experts(st, X, host_used, n_slots);
+        upload_host_experts(st, X, host_used, h_off);
       }
     }
     gpu::moe_combine(st.ey, st.wts, nt, k, E, st.y, stream_);
     gpu::sync_stream(stream_);
+  }
+
+  // h = silu(gate x) * (up x) for the grouped slots of the experts `slot_of` selects. One fused
+  // launch when gate and up share a type; else two products and an elementwise SwiGLU over the rows
+  // [row0, row0 + n_rows) that these experts own.
+  void gate_up(GpuState& st, const DevMatrix& g3, const DevMatrix& u3, const int32_t* slot_of, int n_slots, int row0,
+               int n_rows) {
+    const int NE = c_.n_expert, E = c_.n_embd;
+    const int64_t ff = c_.n_ff_exp;
+    if (g3.type == u3.type) {
+      gpu::moe_matmul_swiglu(g3, u3, st.offsets, NE, slot_of, st.xn, E, st.idx_a, n_slots, st.g, ff, stream_);
+      return;
+    }
+    gpu::moe_matmul(g3, st.offsets, NE, slot_of, st.xn, E, st.idx_a, n_slots, st.g, ff, stream_);
+    gpu::moe_matmul(u3, st.offsets, NE, slot_of, st.xn, E, st.idx_a, n_slots, st.u, ff, stream_);
+    gpu::swiglu(st.g + static_cast<int64_t>(row0) * ff, st.u + static_cast<int64_t>(row0) * ff,
+                st.g + static_cast<int64_t>(row0) * ff, static_cast<int64_t>(n_rows) * ff, stream_);
   }
 
   void host_experts_on_cpu(GpuState& st, ThreadPool& pool, GExperts& X, const std::vector<int>& used,
@@ -642,7 +662,7 @@ class Qwen3Gpu final : public GpuRunner {
       gpu::copy_h2d(st.ey + static_cast<int64_t>(slot[i]) * E, st.h_ey + i * E, sizeof(float) * E, stream_);
   }
 
-  void upload_host_experts(GpuState& st, GExperts& X, const std::vector<int>& used, int n_slots) {
+  void upload_host_experts(GpuState& st, GExperts& X, const std::vector<int>& used, const int32_t* h_off) {
     const int NE = c_.n_expert, E = c_.n_embd;
     const int64_t ff = c_.n_ff_exp;
     const Weight &hg = X.host->gate, &hu = X.host->up, &hd = X.host->down;
@@ -669,8 +689,17 @@ class Qwen3Gpu final : public GpuRunner {
       DevMatrix g3 = matrix_view(hg, base), u3 = matrix_view(hu, base + bg * kStageExperts),
                 d3 = matrix_view(hd, base + (bg + bu) * kStageExperts);
       g3.n_mats = u3.n_mats = d3.n_mats = cnt;
-      gpu::moe_matmul_swiglu(g3, u3, st.offsets, NE, st.slotmap[b], st.xn, E, st.idx_a, n_slots, st.g, ff, stream_);
-      gpu::moe_matmul(d3, st.offsets, NE, st.slotmap[b], st.g, ff, nullptr, n_slots, st.ey, E, stream_, st.idx_b);
+      // The chunk's own slot count sizes the launches (experts of a chunk are not contiguous in the
+      // grouped order, so SwiGLU of mixed types covers the span from its first to its last expert).
+      int chunk_slots = 0, lo = INT32_MAX, hi = 0;
+      for (int p = 0; p < cnt; ++p) {
+        const int e = used[first + p];
+        chunk_slots += h_off[e + 1] - h_off[e];
+        lo = std::min(lo, h_off[e]);
+        hi = std::max(hi, h_off[e + 1]);
+      }
+      gate_up(st, g3, u3, st.slotmap[b], chunk_slots, lo, hi - lo);
+      gpu::moe_matmul(d3, st.offsets, NE, st.slotmap[b], st.g, ff, nullptr, chunk_slots, st.ey, E, stream_, st.idx_b);
       gpu::record_event(st.ev_stage[b], stream_);
     }
   }
