@@ -10,8 +10,10 @@ cmake -S . -B build-dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DFITMOE_STATIC=ON -
   -DCMAKE_CUDA_ARCHITECTURES="${FITMOE_CUDA_ARCH:-90}" >/dev/null
 cmake --build build-dev --target fitmoe fitmoe_tests
 mkdir -p devbin testdata-local
-strip -o devbin/fitmoe build-dev/fitmoe
-strip -o devbin/fitmoe_tests build-dev/tests/fitmoe_tests
+# Compressed: the GPU kernels make each binary ~15 MiB and the carry limit is 64 MiB in all.
+rm -f devbin/*
+strip -o devbin/fitmoe build-dev/fitmoe && gzip -f devbin/fitmoe
+strip -o devbin/fitmoe_tests build-dev/tests/fitmoe_tests && gzip -f devbin/fitmoe_tests
 TD=${FITMOE_TESTDATA:-../shared/testdata}
 for d in quant-vectors qwen3moe-tiny qwen3-draft; do
   rm -rf "testdata-local/$d" && cp -r "$TD/$d" "testdata-local/$d"

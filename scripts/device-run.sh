@@ -6,7 +6,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHAT=${1:-all}
-BIN=devbin
+BIN=/tmp/fitmoe-bin
+mkdir -p "$BIN"
+for f in devbin/*.gz; do gzip -dc "$f" > "$BIN/$(basename "$f" .gz)"; chmod +x "$BIN/$(basename "$f" .gz)"; done
 OUT=${OUT:-/tmp/fitmoe-out}
 mkdir -p "$OUT"
 export FITMOE_TESTDATA=$PWD/testdata-local
@@ -34,10 +36,11 @@ fi
 
 if [ "$WHAT" = all ] || [ "$WHAT" = gpu ]; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
-  for cfg in "all-gpu|" "vram-8G|--vram 8G"; do
+  ARGS=${GPU_BENCH_ARGS:--p 512,2048 -n 128 -r 3}
+  for cfg in "all-gpu|$ARGS" "vram-8G|--vram 8G $ARGS" "vram-8G-ub2048|--vram 8G -b 2048 -p 2048 -n 0 -r 2"; do
     name=${cfg%%|*}; flags=${cfg#*|}
     echo "== GPU bench: $name ($flags)"
-    "$BIN/fitmoe" bench -m "$MODEL" $flags ${GPU_BENCH_ARGS:--p 512,2048 -n 128 -r 3} --json > "$OUT/gpu-$name.json" 2> "$OUT/gpu-$name.err"
+    "$BIN/fitmoe" bench -m "$MODEL" $flags --json > "$OUT/gpu-$name.json" 2> "$OUT/gpu-$name.err"
     tail -n 3 "$OUT/gpu-$name.err"
     python3 - "$OUT/gpu-$name.json" "$name" <<'PY'
 import json, sys
