@@ -37,7 +37,7 @@ fi
 if [ "$WHAT" = all ] || [ "$WHAT" = gpu ]; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
   ARGS=${GPU_BENCH_ARGS:--p 512,2048 -n 128 -r 3}
-  for cfg in "all-gpu|$ARGS" "vram-8G|--vram 8G $ARGS" "vram-8G-ub2048|--vram 8G -b 2048 -p 2048 -n 0 -r 2"; do
+  for cfg in "all-gpu|$ARGS" "vram-8G|--vram 8G $ARGS" "vram-8G-ub2048|--vram 8G -b 2048 -p 2048 -n 0 -r 2" "vram-8G-cpu-prefill|--vram 8G --prefill-experts cpu -p 512 -n 0 -r 2"; do
     name=${cfg%%|*}; flags=${cfg#*|}
     echo "== GPU bench: $name ($flags)"
     "$BIN/fitmoe" bench -m "$MODEL" $flags --json > "$OUT/gpu-$name.json" 2> "$OUT/gpu-$name.err"
@@ -49,7 +49,7 @@ try:
 except Exception as e:
     print("no result:", e); sys.exit(0)
 for r in rows:
-    print(f"{sys.argv[2]} {r['test']}: {r['avg_ts']:.2f} +- {r['stddev_ts']:.2f} tok/s")
+    print(f"{sys.argv[2]} {r['test']}: {r['avg_ts']:.2f} +- {r['stddev_ts']:.2f} tok/s  samples {[round(x,1) for x in r['samples_ts']]}  machine {r.get('machine')}")
 PY
   done
 fi

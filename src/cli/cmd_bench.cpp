@@ -56,6 +56,7 @@ void register_bench(CLI::App& app) {
   cmd->add_option("-n,--n-gen", a->gen, "generation lengths to test (0: none)")->delimiter(',');
   cmd->add_option("-r,--repetitions", a->reps, "repetitions per test")->check(CLI::PositiveNumber);
   cmd->add_option("--kv-type", a->model.kv_type, "KV cache type: f16 or f32")->check(CLI::IsMember({"f16", "f32"}));
+  cmd->add_option("-b,--batch", a->model.batch, "GPU micro-batch (prompt tokens per forward pass)")->check(CLI::PositiveNumber);
   cmd->add_flag("--json", a->json, "print JSON instead of a markdown table");
   cmd->callback([a] {
     auto model = load_model(a->model);
@@ -65,7 +66,7 @@ void register_bench(CLI::App& app) {
     for (int g : a->gen) max_ctx = std::max(max_ctx, g + 1);
     SessionOptions so = session_options(a->model);
     so.n_ctx = max_ctx;
-    so.n_batch = max_ctx;  // each ppN is one batch
+    so.n_batch = max_ctx;  // each ppN is one batch (the GPU splits it into micro-batches of -b)
     Session s(*model, so);
 
     std::vector<Result> results;
@@ -130,7 +131,9 @@ void register_bench(CLI::App& app) {
                        {"weight_bytes_per_token", r.n_gen ? bpt : 0.0},
                        {"weight_gbps", r.n_gen ? bpt * r.mean() / 1e9 : 0.0},
                        {"host_expert_bytes_per_token", plan.host_expert_bytes_per_token},
-                       {"tg_bound", bound}, {"plan", plan.summary_line()}});
+                       {"tg_bound", bound}, {"plan", plan.summary_line()},
+                       {"machine", {{"host_mem_bw", plan.machine.host_mem_bw}, {"pcie_bw", plan.machine.pcie_bw},
+                                    {"gpu_mem_bw", plan.machine.gpu_mem_bw}, {"cpu_int8_flops", plan.machine.cpu_int8_flops}}}});
       }
       std::printf("%s\n", out.dump(2).c_str());
       return;

@@ -22,6 +22,9 @@ void add_model_options(CLI::App& app, ModelOptions& o, bool with_ctx) {
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--cpu-moe,--cmoe", o.cpu_moe, "keep all routed experts in host memory");
   app.add_option("--override-tensor,--ot", o.overrides, "REGEX=cpu|cuda0: place matching tensors (first match wins)");
+  app.add_option("--prefill-experts", o.prefill_experts,
+                 "host-resident experts in prefill: auto (cost model), upload (to the GPU) or cpu")
+      ->check(CLI::IsMember({"auto", "upload", "cpu"}));
   if (with_ctx) {
     app.add_option("-c,--ctx", o.ctx, "context size in tokens")->check(CLI::PositiveNumber);
     app.add_option("--kv-type", o.kv_type, "KV cache type: f16 (default) or f32")->check(CLI::IsMember({"f16", "f32"}));
@@ -49,6 +52,7 @@ LoadOptions load_options(const ModelOptions& o) {
   lo.plan.n_cpu_moe = o.n_cpu_moe;
   lo.plan.cpu_moe = o.cpu_moe;
   lo.plan.overrides = parse_overrides(o.overrides);
+  lo.plan.prefill_host_experts = o.prefill_experts;
   return lo;
 }
 

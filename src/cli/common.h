@@ -27,6 +27,7 @@ struct ModelOptions {
   int n_cpu_moe = 0;
   bool cpu_moe = false;
   std::vector<std::string> overrides;
+  std::string prefill_experts = "auto";
 };
 void add_model_options(CLI::App& app, ModelOptions& o, bool with_ctx = true);
 SessionOptions session_options(const ModelOptions& o);

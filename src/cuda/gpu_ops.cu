@@ -790,7 +790,9 @@ void launch_matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y,
 // ================================ activation quantizers ===========================================
 
 // Q8_0 / Q8_1: one thread per 32-value block, the reference's operations in the reference's order
-// (activations are small; simplicity wins over speed here).
+// (activations are small; simplicity wins over speed here). The block is assembled in registers and
+// stored as 16-bit words (blocks are 34 / 36 bytes, so 2-byte aligned): single-byte stores into these
+// blocks came out wrong on sm_90 with nvcc 13 (bytes 0 and 2 of some blocks lost; the GPU tests caught it).
 template <bool Q81>
 __global__ void quant_q8_kernel(const float* __restrict__ x, int64_t n, int rows, int64_t ld_x, uint8_t* __restrict__ dst,
                                 size_t stride) {
@@ -803,21 +805,20 @@ __global__ void quant_q8_kernel(const float* __restrict__ x, int64_t n, int rows
   for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(xb[j]));
   const float d = __fdiv_rn(amax, 127.0f);
   const float id = amax != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
-  uint8_t* blk = dst + r * stride + b * (Q81 ? 36 : 34);
+  constexpr int kHead = Q81 ? 2 : 1;  // 16-bit words before the quants: d (and s)
+  uint16_t w[kHead + 16];
   int sum = 0;
-  for (int j = 0; j < 32; ++j) {
-    const int q = __float2int_rn(__fmul_rn(xb[j], id));
-    blk[(Q81 ? 4 : 2) + j] = static_cast<uint8_t>(static_cast<int8_t>(q));
-    sum += q;
+  for (int j = 0; j < 32; j += 2) {
+    const int q0 = __float2int_rn(__fmul_rn(xb[j], id));
+    const int q1 = __float2int_rn(__fmul_rn(xb[j + 1], id));
+    sum += q0 + q1;
+    w[kHead + j / 2] = static_cast<uint16_t>((q0 & 0xff) | ((q1 & 0xff) << 8));
   }
-  const uint16_t hd = f2h_bits(d);
-  blk[0] = static_cast<uint8_t>(hd & 0xff);
-  blk[1] = static_cast<uint8_t>(hd >> 8);
-  if constexpr (Q81) {
-    const uint16_t hs = f2h_bits(__fmul_rn(d, static_cast<float>(sum)));
-    blk[2] = static_cast<uint8_t>(hs & 0xff);
-    blk[3] = static_cast<uint8_t>(hs >> 8);
-  }
+  w[0] = f2h_bits(d);
+  if constexpr (Q81) w[1] = f2h_bits(__fmul_rn(d, static_cast<float>(sum)));
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst + r * stride + b * (Q81 ? 36 : 34));
+#pragma unroll
+  for (int i = 0; i < kHead + 16; ++i) out[i] = w[i];
 }
 
 // Q8_K: one warp per 256-value block, 8 consecutive values per lane.
