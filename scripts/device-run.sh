@@ -39,6 +39,7 @@ if [ "$WHAT" = all ] || [ "$WHAT" = gpu ]; then
   ARGS=${GPU_BENCH_ARGS:--p 512,2048 -n 128 -r 3}
   for cfg in "all-gpu|$ARGS" "vram-8G|--vram 8G $ARGS" "vram-8G-ub2048|--vram 8G -b 2048 -p 2048 -n 0 -r 2" "vram-8G-cpu-prefill|--vram 8G --prefill-experts cpu -p 512 -n 0 -r 2"; do
     name=${cfg%%|*}; flags=${cfg#*|}
+    case " ${SKIP_CONFIGS:-} " in *" $name "*) continue ;; esac
     echo "== GPU bench: $name ($flags)"
     "$BIN/fitmoe" bench -m "$MODEL" $flags --json > "$OUT/gpu-$name.json" 2> "$OUT/gpu-$name.err"
     tail -n 3 "$OUT/gpu-$name.err"

@@ -676,12 +676,17 @@ class Qwen3Gpu final : public GpuRunner {
       gpu::wait_event(st.copy_stream, st.ev_stage[b]);
       int32_t* map = st.h_slotmap + static_cast<size_t>(ci) * NE;
       std::fill(map, map + NE, -1);
-      for (int p = 0; p < cnt; ++p) {
+      // Runs of consecutive expert ids go up as one copy per matrix: far fewer, larger transfers (the
+      // plan keeps the host experts of a layer contiguous, so a busy batch has long runs).
+      for (int p = 0; p < cnt;) {
+        int run = 1;
+        while (p + run < cnt && used[first + p + run] == used[first + p] + run) ++run;
         const int e = used[first + p];
-        map[e] = p;
-        gpu::copy_h2d(base + bg * p, hg.expert(e).host, bg, st.copy_stream);
-        gpu::copy_h2d(base + bg * kStageExperts + bu * p, hu.expert(e).host, bu, st.copy_stream);
-        gpu::copy_h2d(base + (bg + bu) * kStageExperts + bd * p, hd.expert(e).host, bd, st.copy_stream);
+        for (int q = 0; q < run; ++q) map[e + q] = p + q;
+        gpu::copy_h2d(base + bg * p, hg.expert(e).host, bg * run, st.copy_stream);
+        gpu::copy_h2d(base + bg * kStageExperts + bu * p, hu.expert(e).host, bu * run, st.copy_stream);
+        gpu::copy_h2d(base + (bg + bu) * kStageExperts + bd * p, hd.expert(e).host, bd * run, st.copy_stream);
+        p += run;
       }
       gpu::copy_h2d(st.slotmap[b], map, sizeof(int32_t) * NE, st.copy_stream);
       gpu::record_event(st.ev_copied[b], st.copy_stream);
