@@ -100,6 +100,10 @@ class File {
   // page out behind our back, with fewer TLB misses than 4 KiB file pages, and the GPU backend can pin
   // it for fast uploads. progress(done, total) is called as the bytes arrive.
   void load_into_memory(const std::function<void(uint64_t, uint64_t)>& progress = nullptr);
+  // The same into memory from a caller's allocator (the GPU engine passes cudaMallocHost: page-locked
+  // from the start, which uploads faster than registering an existing range); free is called on destruction.
+  void load_into_memory(const std::function<void(uint64_t, uint64_t)>& progress,
+                        const std::function<void*(size_t)>& alloc, std::function<void(void*)> free);
   bool in_memory() const { return copy_ != nullptr; }
   // The host buffer holding the tensor data (the copy, or the mapping), for pinning.
   const uint8_t* data_begin() const { return copy_ ? copy_ : base_ + data_offset_; }
@@ -108,11 +112,13 @@ class File {
  private:
   File() = default;
   void parse_all(const std::string& label);
+  void fill_copy(const std::function<void(uint64_t, uint64_t)>& progress);
 
   std::string path_;
   int fd_ = -1;
   uint8_t* copy_ = nullptr;
   size_t copy_bytes_ = 0;
+  std::function<void(void*)> copy_free_;  // set when copy_ came from a caller's allocator
   const uint8_t* base_ = nullptr;
   size_t size_ = 0;
   bool owns_mapping_ = false;

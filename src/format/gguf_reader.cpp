@@ -179,7 +179,8 @@ std::shared_ptr<File> File::parse(const uint8_t* data, size_t size, const std::s
 }
 
 File::~File() {
-  if (copy_) munmap(copy_, copy_bytes_);
+  if (copy_ && copy_free_) copy_free_(copy_);
+  else if (copy_) munmap(copy_, copy_bytes_);
   if (owns_mapping_ && base_) munmap(const_cast<uint8_t*>(base_), size_);
   if (fd_ >= 0) ::close(fd_);
 }
@@ -422,6 +423,23 @@ void File::load_into_memory(const std::function<void(uint64_t, uint64_t)>& progr
   if (kHuge - head) munmap(reinterpret_cast<uint8_t*>(a) + copy_bytes_, kHuge - head);
   copy_ = reinterpret_cast<uint8_t*>(a);
   madvise(copy_, copy_bytes_, MADV_HUGEPAGE);
+  fill_copy(progress);
+}
+
+void File::load_into_memory(const std::function<void(uint64_t, uint64_t)>& progress,
+                            const std::function<void*(size_t)>& alloc, std::function<void(void*)> free) {
+  if (copy_) return;
+  const size_t n = data_bytes();
+  if (n == 0) return;
+  copy_ = static_cast<uint8_t*>(alloc(n));
+  if (!copy_) throw Error(path_ + ": cannot allocate " + std::to_string(n >> 20) + " MiB of page-locked memory for the weights");
+  copy_bytes_ = n;
+  copy_free_ = std::move(free);
+  fill_copy(progress);
+}
+
+void File::fill_copy(const std::function<void(uint64_t, uint64_t)>& progress) {
+  const size_t n = data_bytes();
   constexpr size_t kChunk = 64u << 20;
   for (size_t off = 0; off < n;) {
     size_t len = std::min(kChunk, n - off);

@@ -27,12 +27,7 @@ const std::map<std::string, ModelFactory>& registry() {
 }
 }  // namespace
 
-Model::~Model() {
-  gpu_.reset();
-#if FITMOE_CUDA
-  if (pinned_) gpu::unpin_host(pinned_);
-#endif
-}
+Model::~Model() { gpu_.reset(); }
 
 std::string Model::gpu_memory_report() const { return gpu_ ? gpu_->memory_report() : std::string(); }
 
@@ -68,21 +63,18 @@ std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
   model->plan_ = make_plan(*file, model->cfg_, opt.plan, machine);
   if (opt.plan_only) return model;
 
-  if (!opt.use_mmap || model->plan_.use_gpu) {
-    // GPU runs need the weights in memory that can be pinned (uploads from a file mapping would run at
-    // pageable-memory speed).
-    file->load_into_memory([&](uint64_t d, uint64_t t) {
-      if (opt.progress) opt.progress("loading weights into memory", d, t);
-    });
-  }
+  auto progress = [&](uint64_t d, uint64_t t) {
+    if (opt.progress) opt.progress("loading weights into memory", d, t);
+  };
 #if FITMOE_CUDA
   if (model->plan_.use_gpu) {
-    // Page-lock the weights in host memory: expert uploads during prefill run at PCIe speed (pageable
-    // memory is about 10x slower), and the CPU computes the host-resident experts from the same bytes.
-    gpu::pin_host(file->data_begin(), file->data_bytes());
-    model->pinned_ = file->data_begin();
+    // GPU runs read the weights from page-locked memory: expert uploads during prefill then run at
+    // PCIe speed (pageable memory is about 10x slower), and the CPU computes the host-resident experts
+    // from the same bytes.
+    file->load_into_memory(progress, gpu::alloc_pinned, gpu::free_pinned);
   }
 #endif
+  if (!opt.use_mmap) file->load_into_memory(progress);  // no-op when the GPU path loaded it
   if (model->plan_.use_gpu && !model->init_gpu(opt)) {
     model->plan_.use_gpu = false;
     model->plan_.notes.push_back(model->cfg_.arch + " has no GPU forward pass yet: running on the CPU");

@@ -127,7 +127,6 @@ class Model {
   ModelConfig cfg_;
   Plan plan_;
   std::unique_ptr<class GpuRunner> gpu_;  // set by init_gpu when the plan uses the GPU
-  const void* pinned_ = nullptr;           // host weights page-locked for the GPU
 };
 
 }  // namespace fitmoe
