@@ -13,6 +13,6 @@ if command -v clang++ >/dev/null 2>&1; then
   cmake --build build-fuzz --target fuzz_gguf
   mkdir -p build-fuzz/corpus
   cp tests/data/*.gguf build-fuzz/corpus/ 2>/dev/null || true
-  build-fuzz/fuzz_gguf -max_total_time="${FITMOE_FUZZ_SECONDS:-60}" -max_len=4096 -rss_limit_mb=2048 \
+  build-fuzz/fuzz/fuzz_gguf -max_total_time="${FITMOE_FUZZ_SECONDS:-60}" -max_len=4096 -rss_limit_mb=2048 \
     build-fuzz/corpus 2>&1 | tail -n 3
 fi

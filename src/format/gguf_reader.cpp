@@ -370,7 +370,9 @@ std::vector<int64_t> File::get_int_array(std::string_view key) const {
   const Value* v = find(key);
   if (!v) throw Error(path_ + ": missing metadata key " + std::string(key));
   if (v->is_integer() || v->type == ValueType::BOOL) return {v->i};
-  if (!v->is_array() || !(Value{v->elem_type}.is_integer() || v->elem_type == ValueType::BOOL))
+  Value elem;
+  elem.type = v->elem_type;
+  if (!v->is_array() || !(elem.is_integer() || v->elem_type == ValueType::BOOL))
     wrong_type(path_, key, *v, "an integer array");
   std::vector<int64_t> out(v->count);
   size_t es = scalar_size(v->elem_type);
