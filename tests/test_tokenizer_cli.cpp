@@ -1,5 +1,6 @@
-// `fitmoe tokenize` / `fitmoe detokenize` against the llama.cpp ids of the tokenizer vectors. Runs the
-// real binary on the vocab-only GGUFs (no tensors: the commands must not load a model).
+// `fitmoe tokenize` / `fitmoe detokenize` against the llama.cpp ids of the tokenizer vectors (on the
+// vocab-only GGUFs: the commands must not load a model), and the text commands `run -p` and `chat` on a
+// generated demo model. Runs the real binary.
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>
@@ -9,6 +10,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "testdata.h"
 
@@ -51,12 +53,6 @@ std::string last_line(std::string s) {
   return p == std::string::npos ? s : s.substr(p + 1);
 }
 
-// The subcommands are registered in src/cli/main.cpp; until then this reports a skip, not a pass.
-bool wired() {
-  CliRun r = run_cli("tokenize --help");
-  return r.out.find("--add-special") != std::string::npos;
-}
-
 std::string ids_json(const nlohmann::json& a) {
   std::string s = "[";
   for (size_t i = 0; i < a.size(); ++i) s += (i ? "," : "") + std::to_string(a[i].get<int>());
@@ -66,7 +62,6 @@ std::string ids_json(const nlohmann::json& a) {
 }  // namespace
 
 TEST(TokenizerCli, TokenizeMatchesVectors) {
-  if (!wired()) GTEST_SKIP() << "fitmoe tokenize is not registered in src/cli/main.cpp yet";
   const std::string vocab = fitmoe::test::testdata("tokenizers/qwen3-vocab.gguf");
   auto d = fitmoe::test::read_json(fitmoe::test::testdata("tokenizers/tokenizer-qwen3.json"));
   int n = 0;
@@ -96,7 +91,6 @@ TEST(TokenizerCli, TokenizeMatchesVectors) {
 }
 
 TEST(TokenizerCli, DetokenizeAndErrors) {
-  if (!wired()) GTEST_SKIP() << "fitmoe detokenize is not registered in src/cli/main.cpp yet";
   const std::string vocab = fitmoe::test::testdata("tokenizers/qwen3-vocab.gguf");
   CliRun r = run_cli("detokenize -m " + quote(vocab) + " --ids 151644,872,198,13048,151645");
   ASSERT_EQ(r.code, 0) << r.err;
@@ -109,4 +103,50 @@ TEST(TokenizerCli, DetokenizeAndErrors) {
   CliRun none = run_cli("tokenize -m " + quote(vocab));
   EXPECT_EQ(none.code, 1);
   EXPECT_NE(none.err.find("--text or --file"), std::string::npos) << none.err;
+}
+
+namespace {
+
+// "[N prompt tokens at ..." lines that `fitmoe chat` prints after each answer.
+std::vector<int> chat_prompt_counts(const std::string& err) {
+  std::vector<int> counts;
+  for (size_t at = err.find("\n["); at != std::string::npos; at = err.find("\n[", at + 1))
+    counts.push_back(std::atoi(err.c_str() + at + 2));
+  if (err.rfind("[", 0) == 0) counts.insert(counts.begin(), std::atoi(err.c_str() + 1));
+  return counts;
+}
+
+}  // namespace
+
+TEST(TextCommands, RunStreamsTextAndChatKeepsTheCache) {
+  const std::string model = tmp("chat.gguf");
+  ASSERT_EQ(run_cli("gen-model --arch qwen3moe --preset tiny --type q8_0 -o " + model).code, 0);
+
+  CliRun r = run_cli("run -m " + model + " -p " + quote("Once upon a time") + " -n 6 --temp 0 -t 1");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out.rfind("Once upon a time", 0), 0u) << r.out;  // the prompt is echoed, then the text
+  EXPECT_GT(r.out.size(), std::string("Once upon a time").size());
+  EXPECT_NE(r.err.find("generation:"), std::string::npos) << r.err;
+
+  // Turn 1 and turn 2 send the same message; turn 2's text holds all of turn 1, so re-processing it
+  // would take at least twice turn 1's prompt. With the cache kept, only the new part is evaluated.
+  // After /reset, the same message costs exactly what it did the first time.
+  const std::string input = tmp("chat-input.txt");
+  {
+    std::ofstream f(input);
+    f << "hello there\nhello there\n/reset\nhello there\n/exit\n";
+  }
+  CliRun c = run_cli("chat -m " + model + " -n 2 --temp 0 -t 1 <" + input);
+  ASSERT_EQ(c.code, 0) << c.err;
+  auto counts = chat_prompt_counts(c.err);
+  ASSERT_EQ(counts.size(), 3u) << c.err;
+  EXPECT_GT(counts[0], 4);
+  EXPECT_LT(counts[1], 2 * counts[0]) << c.err;
+  EXPECT_EQ(counts[2], counts[0]) << c.err;
+  EXPECT_NE(c.err.find("conversation reset"), std::string::npos);
+
+  CliRun nofile = run_cli("chat -m /nonexistent/x.gguf </dev/null");
+  EXPECT_EQ(nofile.code, 1);
+  std::remove(input.c_str());
+  std::remove(model.c_str());
 }
