@@ -56,7 +56,7 @@ void register_bench(CLI::App& app) {
   cmd->add_option("-n,--n-gen", a->gen, "generation lengths to test (0: none)")->delimiter(',');
   cmd->add_option("-r,--repetitions", a->reps, "repetitions per test")->check(CLI::PositiveNumber);
   cmd->add_option("--kv-type", a->model.kv_type, "KV cache type: f16 or f32")->check(CLI::IsMember({"f16", "f32"}));
-  cmd->add_option("-b,--batch", a->model.batch, "GPU micro-batch (prompt tokens per forward pass)")->check(CLI::PositiveNumber);
+  cmd->add_option("-b,--batch", a->model.batch, "GPU micro-batch (prompt tokens per forward pass; default: automatic)")->check(CLI::PositiveNumber);
   cmd->add_flag("--json", a->json, "print JSON instead of a markdown table");
   cmd->callback([a] {
     auto model = load_model(a->model);

@@ -28,7 +28,7 @@ void add_model_options(CLI::App& app, ModelOptions& o, bool with_ctx) {
   if (with_ctx) {
     app.add_option("-c,--ctx", o.ctx, "context size in tokens")->check(CLI::PositiveNumber);
     app.add_option("--kv-type", o.kv_type, "KV cache type: f16 (default) or f32")->check(CLI::IsMember({"f16", "f32"}));
-    app.add_option("-b,--batch", o.batch, "prompt tokens per forward batch")->check(CLI::PositiveNumber);
+    app.add_option("-b,--batch", o.batch, "prompt tokens per forward batch (default: automatic)")->check(CLI::PositiveNumber);
   }
 }
 

@@ -19,7 +19,7 @@ struct ModelOptions {
   int threads = 0;
   int ctx = 4096;
   std::string kv_type = "f16";
-  int batch = 512;
+  int batch = 0;  // 0: automatic (512; 2048 on the GPU when prefill streams host experts)
   bool mmap = false;
   // Placement (see runtime/plan.h).
   std::string vram;            // "8G"; empty: the card's free memory minus a margin

@@ -998,17 +998,11 @@ int64_t tile_rows(const DevMatrix& w) {
 
 // ================================ norms, elementwise ==============================================
 
-__global__ void rms_norm_kernel(const float* x, const float* __restrict__ w, float* y, int n, float eps, int64_t ld_x,
-                                int64_t ld_y) {
-  __shared__ double part[32];
-  const int r = blockIdx.x, tid = threadIdx.x;
-  const float* xr = x + r * ld_x;
-  float* yr = y + r * ld_y;
-  double s = 0;
-  for (int i = tid; i < n; i += blockDim.x) {
-    const float v = xr[i];
-    s += static_cast<double>(__fmul_rn(v, v));
-  }
+// RMSNorm's scale 1 / sqrt(mean(x^2) + eps) from each thread's partial sum of squares (thread tid
+// summed elements tid, tid + blockDim.x, ...). Every kernel that norms a row goes through this, so
+// fused and unfused norms give the same bits. Ends with a barrier; `part` is 32 doubles of shared memory.
+__device__ __forceinline__ float block_rms_scale(double s, int n, float eps, double* part) {
+  const int tid = threadIdx.x;
   s = warp_sum(s);
   if ((tid & 31) == 0) part[tid >> 5] = s;
   __syncthreads();
@@ -1020,8 +1014,56 @@ __global__ void rms_norm_kernel(const float* x, const float* __restrict__ w, flo
   __syncthreads();
   const double sum = part[0];
   const float ms = static_cast<float>(__dadd_rn(__ddiv_rn(sum, static_cast<double>(n)), static_cast<double>(eps)));
-  const float scale = __fdiv_rn(1.0f, __fsqrt_rn(ms));
+  return __fdiv_rn(1.0f, __fsqrt_rn(ms));
+}
+
+constexpr int kNormThreads = 256;  // every row norm runs with this many threads (same partial sums)
+
+__global__ void rms_norm_kernel(const float* x, const float* __restrict__ w, float* y, int n, float eps, int64_t ld_x,
+                                int64_t ld_y) {
+  __shared__ double part[32];
+  const int r = blockIdx.x, tid = threadIdx.x;
+  const float* xr = x + r * ld_x;
+  float* yr = y + r * ld_y;
+  double s = 0;
   for (int i = tid; i < n; i += blockDim.x) {
+    const float v = xr[i];
+    s += static_cast<double>(__fmul_rn(v, v));
+  }
+  const float scale = block_rms_scale(s, n, eps, part);
+  for (int i = tid; i < n; i += blockDim.x) {
+    const float v = __fmul_rn(xr[i], scale);
+    yr[i] = w ? __fmul_rn(v, w[i]) : v;
+  }
+}
+
+// The end of a block, fused: x += y (or x += the routed experts' combination of ey with wts, as
+// moe_combine_kernel), then xn = rms_norm(x) * w when xn is given. One CTA of kNormThreads per row.
+__global__ void residual_norm_kernel(float* x, const float* __restrict__ y, const float* __restrict__ ey,
+                                     const float* __restrict__ wts, int k, const float* __restrict__ w,
+                                     float* __restrict__ xn, int n, float eps) {
+  __shared__ double part[32];
+  const int r = blockIdx.x, tid = threadIdx.x;
+  float* xr = x + static_cast<int64_t>(r) * n;
+  double s = 0;
+  for (int i = tid; i < n; i += blockDim.x) {
+    float o;
+    if (ey) {
+      const float* yt = ey + static_cast<int64_t>(r) * k * n + i;
+      const float* wt = wts + static_cast<int64_t>(r) * k;
+      o = __fmul_rn(yt[0], wt[0]);
+      for (int j = 1; j < k; ++j) o = __fadd_rn(o, __fmul_rn(yt[static_cast<int64_t>(j) * n], wt[j]));
+    } else {
+      o = y[static_cast<int64_t>(r) * n + i];
+    }
+    const float v = __fadd_rn(xr[i], o);
+    xr[i] = v;
+    s += static_cast<double>(__fmul_rn(v, v));
+  }
+  if (!xn) return;
+  const float scale = block_rms_scale(s, n, eps, part);
+  float* yr = xn + static_cast<int64_t>(r) * n;
+  for (int i = tid; i < n; i += blockDim.x) {  // the thread reads back only what it wrote itself
     const float v = __fmul_rn(xr[i], scale);
     yr[i] = w ? __fmul_rn(v, w[i]) : v;
   }
@@ -1110,6 +1152,73 @@ __global__ void kv_store_v_kernel(T* __restrict__ v, const int32_t* __restrict__
   const int i = blockIdx.y * 8 + threadIdx.y;
   if (t >= n_tokens || i >= width) return;
   v[static_cast<int64_t>(i) * n_ctx + pos[t]] = to_cache<T>(src[t * ld + i]);
+}
+
+// The attention prologue of a micro-batch, fused: per token (grid.y) and head (grid.x: the n_head
+// query heads, then the n_head_kv key heads, then the n_head_kv value heads), RMSNorm of the head with
+// its weight and NeoX RoPE for q and k (q in place, k into the cache), and v into the cache. The same
+// arithmetic as rms_norm_kernel + rope_neox_kernel + kv_store_*_kernel, so the bits are the same.
+template <typename T>
+__global__ void qk_norm_rope_store_kernel(float* q, int64_t ld_q, const float* __restrict__ k, int64_t ld_k,
+                                          const float* __restrict__ v, int64_t ld_v, const float* __restrict__ q_norm,
+                                          const float* __restrict__ k_norm, T* __restrict__ kc, T* __restrict__ vc,
+                                          int n_ctx, const int32_t* __restrict__ pos, int n_head, int n_head_kv, int hd,
+                                          int hdv, int n_rot, float theta_scale, float freq_scale, float eps) {
+  extern __shared__ float sh[];  // [hd] normed head, [n_rot] cos / sin table
+  __shared__ double part[32];
+  const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;
+  const int p = pos[t];
+  if (h >= n_head + n_head_kv) {  // a value head: straight into the transposed cache
+    const int g = h - n_head - n_head_kv;
+    for (int i = tid; i < hdv; i += blockDim.x)
+      vc[static_cast<int64_t>(g * hdv + i) * n_ctx + p] = to_cache<T>(v[t * ld_v + static_cast<int64_t>(g) * hdv + i]);
+    return;
+  }
+  const bool is_q = h < n_head;
+  const int g = is_q ? h : h - n_head;
+  const float* src = is_q ? q + t * ld_q + static_cast<int64_t>(g) * hd : k + t * ld_k + static_cast<int64_t>(g) * hd;
+  const float* w = is_q ? q_norm : k_norm;
+  float* hv = sh;
+  float* tab = sh + hd;
+  double s = 0;
+  for (int i = tid; i < hd; i += blockDim.x) {
+    const float x = src[i];
+    s += static_cast<double>(__fmul_rn(x, x));
+  }
+  const float scale = block_rms_scale(s, hd, eps, part);
+  for (int i = tid; i < hd; i += blockDim.x) {
+    const float x = __fmul_rn(src[i], scale);
+    hv[i] = w ? __fmul_rn(x, w[i]) : x;
+  }
+  const int half = n_rot / 2;
+  if (tid == 0) {
+    float theta = static_cast<float>(p);
+    for (int i = 0; i < half; ++i) {
+      tab[i] = __fmul_rn(freq_scale, theta);
+      theta = __fmul_rn(theta, theta_scale);
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < half; i += blockDim.x) {
+    double sn, cn;
+    sincos(static_cast<double>(tab[i]), &sn, &cn);
+    tab[i] = static_cast<float>(cn);
+    tab[half + i] = static_cast<float>(sn);
+  }
+  __syncthreads();
+  for (int i = tid; i < hd; i += blockDim.x) {
+    float o;
+    if (i < half) {
+      o = __fsub_rn(__fmul_rn(hv[i], tab[i]), __fmul_rn(hv[i + half], tab[half + i]));
+    } else if (i < n_rot) {
+      const int j = i - half;
+      o = __fadd_rn(__fmul_rn(hv[j], tab[half + j]), __fmul_rn(hv[i], tab[j]));
+    } else {
+      o = hv[i];
+    }
+    if (is_q) q[t * ld_q + static_cast<int64_t>(g) * hd + i] = o;
+    else kc[static_cast<int64_t>(p) * n_head_kv * hd + static_cast<int64_t>(g) * hd + i] = to_cache<T>(o);
+  }
 }
 
 // ================================ attention =======================================================
@@ -1740,8 +1849,17 @@ void embed_rows(const DevMatrix& table, const int32_t* ids, int n, float* out, S
 void rms_norm(const float* x, const float* w, float* y, int n, int rows, float eps, int64_t ld_x, int64_t ld_y,
               Stream s) {
   if (rows <= 0) return;
-  rms_norm_kernel<<<rows, 256, 0, cs(s)>>>(x, w, y, n, eps, ld_x, ld_y);
+  rms_norm_kernel<<<rows, kNormThreads, 0, cs(s)>>>(x, w, y, n, eps, ld_x, ld_y);
   launched("rms_norm");
+}
+
+void residual_norm(float* x, const float* y, const float* ey, const float* wts, int k, const float* w, float* xn,
+                   int n, int rows, float eps, Stream s) {
+  if (rows <= 0 || n <= 0) return;
+  if ((y == nullptr) == (ey == nullptr)) fail("residual_norm: give exactly one of y and ey");
+  if (ey && (!wts || k <= 0)) fail("residual_norm: the experts' combination needs weights and k > 0");
+  residual_norm_kernel<<<rows, kNormThreads, 0, cs(s)>>>(x, y, ey, wts, k, w, xn, n, eps);
+  launched("residual_norm");
 }
 
 void add(float* x, const float* y, int64_t n, Stream s) {
@@ -1927,6 +2045,30 @@ void matmul(const DevMatrix& w, int64_t mat, const float* x, int64_t ld_x, int n
     }
   }
   launched("matmul");
+}
+
+void qk_norm_rope_store(float* q, int64_t ld_q, const float* k, int64_t ld_k, const float* v, int64_t ld_v,
+                        const float* q_norm, const float* k_norm, const DevKv& kv, const int32_t* pos, int n_tokens,
+                        int n_head, int n_head_kv, int head_dim, int head_dim_v, int n_rot, float base,
+                        float freq_scale, float eps, Stream s) {
+  if (n_tokens <= 0) return;
+  if (n_tokens > 65535) fail("qk_norm_rope_store: too many tokens in one call");
+  if (n_rot <= 0 || n_rot % 2 != 0 || n_rot > head_dim) fail("qk_norm_rope_store: bad n_rot " + std::to_string(n_rot));
+  const float theta_scale = std::pow(base, -2.0f / static_cast<float>(n_rot));  // as rope_neox
+  const dim3 grid(static_cast<unsigned>(n_head + 2 * n_head_kv), static_cast<unsigned>(n_tokens));
+  const size_t smem = static_cast<size_t>(head_dim + n_rot) * sizeof(float);
+  const cudaStream_t st = cs(s);
+  if (kv.type == DType::F16)
+    qk_norm_rope_store_kernel<__half><<<grid, kNormThreads, smem, st>>>(
+        q, ld_q, k, ld_k, v, ld_v, q_norm, k_norm, reinterpret_cast<__half*>(kv.k), reinterpret_cast<__half*>(kv.v),
+        kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, theta_scale, freq_scale, eps);
+  else if (kv.type == DType::F32)
+    qk_norm_rope_store_kernel<float><<<grid, kNormThreads, smem, st>>>(
+        q, ld_q, k, ld_k, v, ld_v, q_norm, k_norm, reinterpret_cast<float*>(kv.k), reinterpret_cast<float*>(kv.v),
+        kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, theta_scale, freq_scale, eps);
+  else
+    fail(std::string("qk_norm_rope_store: unsupported cache type ") + tname(kv.type));
+  launched("qk_norm_rope_store");
 }
 
 void kv_store(const DevKv& kv, const int32_t* pos, int n_tokens, const float* k, int64_t ld_k, const float* v,

@@ -44,6 +44,10 @@ void rms_norm(const float* x, const float* w, float* y, int n, int rows, float e
               Stream s);
 // x += y (n values)
 void add(float* x, const float* y, int64_t n, Stream s);
+// The end of a block for `rows` rows of n values: x += y, or (y null) x += moe_combine(ey, wts, k);
+// then, when xn is given, xn = rms_norm(x) * w. The same bits as add / moe_combine + rms_norm.
+void residual_norm(float* x, const float* y, const float* ey, const float* wts, int k, const float* w, float* xn,
+                   int n, int rows, float eps, Stream s);
 // out = silu(gate) * up
 void swiglu(const float* gate, const float* up, float* out, int64_t n, Stream s);
 // NeoX RoPE in place for tokens at positions pos[t] (device array), as cpu::rope_neox.
@@ -94,6 +98,13 @@ struct DevKv {
 };
 void kv_store(const DevKv& kv, const int32_t* pos, int n_tokens, const float* k, int64_t ld_k, const float* v,
               int64_t ld_v, int n_head_kv, int head_dim, int head_dim_v, Stream s);
+// The attention prologue in one launch: RMSNorm of every q and k head (weights q_norm / k_norm), NeoX
+// RoPE of both (as rope_neox), q in place, k and v stored into the cache at pos[t] (as kv_store). The
+// same bits as rms_norm + rope_neox + kv_store; st.k is not written.
+void qk_norm_rope_store(float* q, int64_t ld_q, const float* k, int64_t ld_k, const float* v, int64_t ld_v,
+                        const float* q_norm, const float* k_norm, const DevKv& kv, const int32_t* pos, int n_tokens,
+                        int n_head, int n_head_kv, int head_dim, int head_dim_v, int n_rot, float base,
+                        float freq_scale, float eps, Stream s);
 // Causal attention of n_tokens queries at positions pos0 .. pos0 + n_tokens - 1 (pos0 on the host so
 // the launch can size itself; a graph-captured decode passes n_kv_max and reads the real position
 // from pos_dev[0]).

@@ -7,10 +7,12 @@
 //        chosen device-resident experts;
 //   CPU: meanwhile waits for the choices and runs the chosen host-resident experts with all threads;
 //   GPU: receives their outputs and combines all experts' outputs in the reference's order.
-// Prefill (larger micro-batches): tokens are grouped by expert; device-resident experts run as
-// dequantize + cuBLAS products; for the host-resident experts the batch uses, each layer picks the
-// cheaper of uploading them from pinned memory (double-buffered, overlapping the previous expert's
-// compute) and running them on the CPU, from the planner's cost model.
+// Prefill (larger micro-batches): tokens are grouped by expert and every device-resident expert of a
+// layer runs in one grouped tensor-core launch per matrix. For the host-resident experts, the cost model
+// picks per layer, before the micro-batch starts, between the CPU and streaming them over PCIe. Streamed
+// layers' experts go up in chunks through a ring of staging buffers on a second stream, in the order
+// the layers will use them, so the copies of later layers run while earlier layers compute and the
+// PCIe link never waits for the routing.
 #include <algorithm>
 #include <cmath>
 #include <climits>
@@ -38,12 +40,20 @@ struct GWeight {
   bool on_gpu() const { return dev.data != nullptr; }
 };
 
+// A chunk of up to PlanOptions::prefill_chunk_experts host-resident experts of one layer, streamed to the GPU as a
+// unit during prefill; slot_of_dev maps expert -> position in the chunk (-1: not in it).
+struct HostChunk {
+  std::vector<int> experts;
+  int32_t* slot_of_dev = nullptr;
+};
+
 struct GExperts {
   DevMatrix gate, up, down;        // the device-resident experts, packed by slot
   std::vector<int32_t> slot_of;    // expert -> slot, -1 = host
   int32_t* slot_of_dev = nullptr;
   int n_dev = 0;
   const cpu::ExpertWeights* host = nullptr;
+  std::vector<HostChunk> chunks;   // the host-resident experts, in id order
 };
 
 struct GLayer {
@@ -95,8 +105,10 @@ class GpuState final : public ModelState {
     for (void* p : pinned) gpu::free_pinned(p);
     for (void* g : graphs)
       if (g) gpu::destroy_graph(g);
-    for (void* e : {ev_route, ev_stage[0], ev_stage[1], ev_copied[0], ev_copied[1]})
-      if (e) gpu::destroy_event(e);
+    if (ev_route) gpu::destroy_event(ev_route);
+    for (int i = 0; i < kPrefillStageSlots; ++i)
+      for (void* e : {ev_free[i], ev_filled[i]})
+        if (e) gpu::destroy_event(e);
     if (copy_stream) gpu::destroy_stream(copy_stream);
   }
   size_t bytes() const override { return (k_bytes + v_bytes) * kv.size(); }
@@ -126,18 +138,21 @@ class GpuState final : public ModelState {
   float *xg = nullptr;
   int32_t *ids = nullptr, *pos = nullptr, *tokens = nullptr, *act_row = nullptr, *ident = nullptr, *idx_a = nullptr,
           *idx_b = nullptr;
-  void *acts = nullptr, *dequant = nullptr, *attn_scratch = nullptr, *stage[2] = {nullptr, nullptr};
+  void *acts = nullptr, *dequant = nullptr, *attn_scratch = nullptr;
   size_t acts_bytes = 0, dequant_bytes = 0, attn_scratch_bytes = 0, stage_bytes = 0;
   // Pinned host exchange buffers.
   float *h_x = nullptr, *h_xn = nullptr, *h_wts = nullptr, *h_ey = nullptr, *h_out = nullptr;
   int32_t *h_ids = nullptr, *h_pos = nullptr, *h_idx = nullptr;
   void* ev_route = nullptr;
-  void* ev_stage[2] = {nullptr, nullptr};   // compute finished with staging buffer b
-  void* ev_copied[2] = {nullptr, nullptr};  // upload into staging buffer b finished
-  void* copy_stream = nullptr;
   int32_t* offsets = nullptr;               // grouped-expert offsets [n_expert + 1]
-  int32_t* slotmap[2] = {nullptr, nullptr}; // expert -> position in staging buffer b, -1 elsewhere
-  int32_t* h_slotmap = nullptr;             // pinned, one map per chunk of a layer
+  // The prefill upload ring: chunk i of a micro-batch's stream goes to buffer i % kPrefillStageSlots.
+  void* copy_stream = nullptr;
+  void* stage[kPrefillStageSlots] = {};
+  void* ev_free[kPrefillStageSlots] = {};    // compute is done with buffer b
+  void* ev_filled[kPrefillStageSlots] = {};  // the upload into buffer b is done
+  std::vector<std::pair<int, int>> stream_seq;  // (layer, chunk) in upload order
+  size_t stream_copied = 0, stream_used = 0;    // chunks issued to the copy stream / consumed
+  std::vector<char> layer_streams;              // per layer: host experts streamed (1) or CPU (0)
   cpu::Scratch cpu_scratch;
 
  private:
@@ -148,7 +163,8 @@ class GpuState final : public ModelState {
 class Qwen3Gpu final : public GpuRunner {
  public:
   Qwen3Gpu(const Qwen3Weights& w, const ModelConfig& c, const Plan& plan, const LoadOptions& opt)
-      : w_(w), c_(c), plan_(plan), mem_(plan.budget - plan.reserve), ubatch_(std::max(1, plan.options.n_ubatch)) {
+      : w_(w), c_(c), plan_(plan), mem_(plan.budget - plan.reserve), ubatch_(std::max(1, plan.options.n_ubatch)),
+        chunk_experts_(std::max(1, plan.options.prefill_chunk_experts)) {
     stream_ = gpu::create_stream();
     upload_all(opt);
   }
@@ -249,6 +265,19 @@ class Qwen3Gpu final : public GpuRunner {
         X.up = pack(L.experts.up);
         X.down = pack(L.experts.down);
         X.slot_of_dev = reinterpret_cast<int32_t*>(upload(X.slot_of.data(), sizeof(int32_t) * E, "routing tables"));
+        // Host experts in chunks for prefill streaming, each with its expert -> position table.
+        std::vector<int> host_ids;
+        for (int e = 0; e < E; ++e)
+          if (X.slot_of[e] < 0) host_ids.push_back(e);
+        for (size_t i = 0; i < host_ids.size(); i += chunk_experts_) {
+          HostChunk ch;
+          ch.experts.assign(host_ids.begin() + static_cast<long>(i),
+                            host_ids.begin() + static_cast<long>(std::min(host_ids.size(), i + chunk_experts_)));
+          std::vector<int32_t> pos(E, -1);
+          for (size_t p = 0; p < ch.experts.size(); ++p) pos[ch.experts[p]] = static_cast<int32_t>(p);
+          ch.slot_of_dev = reinterpret_cast<int32_t*>(upload(pos.data(), sizeof(int32_t) * E, "routing tables"));
+          X.chunks.push_back(std::move(ch));
+        }
       } else {
         G.ffn_gate = place(L.ffn_gate);
         G.ffn_up = place(L.ffn_up);
@@ -297,30 +326,32 @@ class Qwen3Gpu final : public GpuRunner {
     st.ident = static_cast<int32_t*>(st.dev_bytes(sizeof(int32_t) * slots, "activations"));
     gpu::copy_h2d(st.act_row, rows.data(), sizeof(int32_t) * slots, stream_);
     gpu::copy_h2d(st.ident, ident.data(), sizeof(int32_t) * slots, stream_);
-    // Activations in the weights' formats: the widest row set is the experts' slots.
+    // Activations in the weights' formats, for the matrix-vector path only (micro-batches of at most
+    // kMaxVecTokens tokens); the widest row set is the experts' slots.
+    const int64_t vec_tokens = std::min<int64_t>(U, gpu::kMaxVecTokens);
+    const int64_t vec_rows = c_.n_expert ? vec_tokens * k : vec_tokens;
     int64_t widest = std::max<int64_t>({n, qw, aw, ff});
-    st.acts_bytes = gpu::act_bytes(DType::F32, widest, static_cast<int>(std::max<int64_t>(slots, U)));
+    st.acts_bytes = gpu::act_bytes(DType::F32, widest, static_cast<int>(vec_rows));
     st.acts = st.dev_bytes(st.acts_bytes, "activations");
     st.dequant_bytes = 64u << 20;
     st.dequant = st.dev_bytes(st.dequant_bytes, "dequantized weight tiles");
     st.attn_scratch_bytes = gpu::attention_scratch_bytes(U, st.n_ctx(), c_.n_head, c_.head_dim_v);
     st.attn_scratch = st.dev_bytes(st.attn_scratch_bytes, "attention scratch");
-    // Staging for host experts uploaded during prefill: two buffers of kStageExperts experts each.
+    // The upload ring for host experts streamed during prefill (sized as the plan assumed).
     if (c_.n_expert) {
       size_t per_expert = 0;
       for (const auto& L : w_.layers)
         per_expert = std::max(per_expert, L.experts.gate.matrix_bytes() + L.experts.up.matrix_bytes() +
                                               L.experts.down.matrix_bytes());
-      st.stage_bytes = per_expert * kStageExperts;
-      for (int b = 0; b < 2; ++b) {
-        st.stage[b] = st.dev_bytes(st.stage_bytes, "expert upload staging");
-        st.slotmap[b] = static_cast<int32_t*>(st.dev_bytes(sizeof(int32_t) * E, "routing tables"));
-        st.ev_stage[b] = gpu::create_event();
-        st.ev_copied[b] = gpu::create_event();
-        gpu::record_event(st.ev_stage[b], stream_);  // both buffers start free
-      }
+      st.stage_bytes = per_expert * chunk_experts_;
+      if (has_host_experts())
+        for (int b = 0; b < kPrefillStageSlots; ++b) {
+          st.stage[b] = st.dev_bytes(st.stage_bytes, "expert upload staging");
+          st.ev_free[b] = gpu::create_event();
+          st.ev_filled[b] = gpu::create_event();
+          gpu::record_event(st.ev_free[b], stream_);  // every buffer starts free
+        }
       st.offsets = static_cast<int32_t*>(st.dev_bytes(sizeof(int32_t) * (E + 1), "routing tables"));
-      st.h_slotmap = st.host<int32_t>(static_cast<size_t>(E) * ((E + kStageExperts - 1) / kStageExperts));
       st.copy_stream = gpu::create_stream();
     }
     st.h_x = st.host<float>(static_cast<size_t>(U) * n);
@@ -352,11 +383,49 @@ class Qwen3Gpu final : public GpuRunner {
     }
     const DevMatrix& m = w.dev;
     if (nt <= gpu::kMaxVecTokens) {
-      gpu::quantize_acts(dtype_info(m.type).act_type, x, m.cols, nt, m.cols, st.acts, stream_);
-      gpu::matvec(m, st.acts, nt, y, ld_y, stream_);
+      gpu::matvec(m, vec_acts(st, m.type, x, nt, m.cols), nt, y, ld_y, stream_);
       return;
     }
     matmul_chunked(st, m, 0, x, m.cols, nt, y, ld_y);
+  }
+
+  // The input of the matrix-vector kernels for weights of type `type`: x itself for F32 weights (their
+  // activation format is plain f32 rows), else x converted into st.acts.
+  const void* vec_acts(GpuState& st, DType type, const float* x, int nt, int64_t cols) {
+    const DType act = dtype_info(type).act_type;
+    if (act == DType::F32) return x;
+    gpu::quantize_acts(act, x, cols, nt, cols, st.acts, stream_);
+    return st.acts;
+  }
+
+  // Several products of one input (q, k, v): on the matrix-vector path the input is converted once
+  // per activation format, not once per product.
+  struct Product {
+    const GWeight* w;
+    float* y;
+    int64_t ld_y;
+  };
+  void linear_shared(GpuState& st, ThreadPool& pool, std::initializer_list<Product> products, const float* x, int nt) {
+    bool vec = nt <= gpu::kMaxVecTokens;
+    for (const Product& p : products) vec = vec && p.w->on_gpu();
+    if (!vec) {
+      for (const Product& p : products) linear(st, pool, *p.w, x, nt, p.y, p.ld_y);
+      return;
+    }
+    std::vector<const Product*> todo;
+    for (const Product& p : products) todo.push_back(&p);
+    while (!todo.empty()) {
+      const DType act = dtype_info(todo.front()->w->dev.type).act_type;
+      const void* acts = vec_acts(st, todo.front()->w->dev.type, x, nt, todo.front()->w->dev.cols);
+      std::vector<const Product*> rest;
+      for (const Product* p : todo) {
+        if (dtype_info(p->w->dev.type).act_type == act && p->w->dev.cols == todo.front()->w->dev.cols)
+          gpu::matvec(p->w->dev, acts, nt, p->y, p->ld_y, stream_);
+        else
+          rest.push_back(p);
+      }
+      todo.swap(rest);
+    }
   }
 
   // Large products through dequantize + cuBLAS (gpu::matmul tiles rows and tokens to the scratch).
@@ -366,26 +435,25 @@ class Qwen3Gpu final : public GpuRunner {
   }
 
   // ---- the forward pass, in pieces that can be captured into CUDA graphs --------------------------
-  // Attention block of layer l and the FFN norm: x -> x + attn(x), xn = norm(x).
+  // Attention block of layer l and the FFN norm: x -> x + attn(xn), xn = ffn_norm(x). On entry xn
+  // holds attn_norm(x) (from input_norm or the previous layer's ffn_finish).
   void attention_block(GpuState& st, ThreadPool& pool, int l, int nt, int pos0) {
     const ModelConfig& c = c_;
     GLayer& G = layers_[l];
     const int E = c.n_embd, hd = c.head_dim, hdv = c.head_dim_v;
     const int qw = c.n_head * hd, kw = c.n_head_kv * hd, vw = c.n_head_kv * hdv, aw = c.n_head * hdv;
-    gpu::rms_norm(st.x, G.attn_norm, st.xn, E, nt, c.rms_eps, E, E, stream_);
-    linear(st, pool, G.wq, st.xn, nt, st.q, qw);
-    linear(st, pool, G.wk, st.xn, nt, st.k, kw);
-    linear(st, pool, G.wv, st.xn, nt, st.v, vw);
-    gpu::rms_norm(st.q, G.q_norm, st.q, hd, nt * c.n_head, c.rms_eps, hd, hd, stream_);
-    gpu::rms_norm(st.k, G.k_norm, st.k, hd, nt * c.n_head_kv, c.rms_eps, hd, hd, stream_);
-    gpu::rope_neox(st.q, nt, c.n_head, hd, qw, c.n_rot, st.pos, c.rope_base, c.rope_freq_scale, stream_);
-    gpu::rope_neox(st.k, nt, c.n_head_kv, hd, kw, c.n_rot, st.pos, c.rope_base, c.rope_freq_scale, stream_);
-    gpu::kv_store(st.kv[l], st.pos, nt, st.k, kw, st.v, vw, c.n_head_kv, hd, hdv, stream_);
+    linear_shared(st, pool, {{&G.wq, st.q, qw}, {&G.wk, st.k, kw}, {&G.wv, st.v, vw}}, st.xn, nt);
+    gpu::qk_norm_rope_store(st.q, qw, st.k, kw, st.v, vw, G.q_norm, G.k_norm, st.kv[l], st.pos, nt, c.n_head,
+                            c.n_head_kv, hd, hdv, c.n_rot, c.rope_base, c.rope_freq_scale, c.rms_eps, stream_);
     gpu::attention(st.q, qw, st.kv[l], pos0, st.pos, nt, st.n_ctx(), c.n_head, c.n_head_kv, hd, hdv,
                    1.0f / std::sqrt(static_cast<float>(hd)), st.att, aw, st.attn_scratch, st.attn_scratch_bytes, stream_);
     linear(st, pool, G.wo, st.att, nt, st.y, E);
-    gpu::add(st.x, st.y, static_cast<int64_t>(nt) * E, stream_);
-    gpu::rms_norm(st.x, G.ffn_norm, st.xn, E, nt, c.rms_eps, E, E, stream_);
+    gpu::residual_norm(st.x, st.y, nullptr, nullptr, 0, G.ffn_norm, st.xn, E, nt, c.rms_eps, stream_);
+  }
+
+  // xn = attn_norm of layer 0 (x); later layers get theirs from the previous ffn_finish.
+  void input_norm(GpuState& st, int nt) {
+    gpu::rms_norm(st.x, layers_[0].attn_norm, st.xn, c_.n_embd, nt, c_.rms_eps, c_.n_embd, c_.n_embd, stream_);
   }
 
   // FFN block, GPU side: the dense FFN, or the router and the device-resident experts (with the
@@ -415,12 +483,13 @@ class Qwen3Gpu final : public GpuRunner {
       gpu::record_event(st.ev_route, stream_);
     }
     if (X.n_dev > 0) {
-      gpu::quantize_acts(dtype_info(X.gate.type).act_type, st.xn, E, nt, E, st.acts, stream_);
-      gpu::matvec_experts(X.gate, st.ids, X.slot_of_dev, n_slots, st.acts, st.act_row, st.g, ff, stream_);
-      gpu::matvec_experts(X.up, st.ids, X.slot_of_dev, n_slots, st.acts, st.act_row, st.u, ff, stream_);
+      const void* acts = vec_acts(st, X.gate.type, st.xn, nt, E);
+      gpu::matvec_experts(X.gate, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.g, ff, stream_);
+      if (dtype_info(X.up.type).act_type != dtype_info(X.gate.type).act_type) acts = vec_acts(st, X.up.type, st.xn, nt, E);
+      gpu::matvec_experts(X.up, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.u, ff, stream_);
       gpu::swiglu(st.g, st.u, st.g, n_slots * ff, stream_);
-      gpu::quantize_acts(dtype_info(X.down.type).act_type, st.g, ff, n_slots, ff, st.acts, stream_);
-      gpu::matvec_experts(X.down, st.ids, X.slot_of_dev, n_slots, st.acts, st.ident, st.ey, E, stream_);
+      acts = vec_acts(st, X.down.type, st.g, n_slots, ff);
+      gpu::matvec_experts(X.down, st.ids, X.slot_of_dev, n_slots, acts, st.ident, st.ey, E, stream_);
     }
   }
 
@@ -442,11 +511,16 @@ class Qwen3Gpu final : public GpuRunner {
       gpu::copy_h2d(st.ey + static_cast<int64_t>(slot[i]) * E, st.h_ey + i * E, sizeof(float) * E, stream_);
   }
 
-  // End of the FFN block: combine the experts' outputs (MoE) and add the residual.
+  // End of the FFN block: add the FFN output (for MoE the experts' outputs combined) to the residual,
+  // and norm the result for the next layer's attention (the last layer leaves that to the head).
   void ffn_finish(GpuState& st, int l, int nt) {
-    const int E = c_.n_embd;
-    if (layers_[l].moe) gpu::moe_combine(st.ey, st.wts, nt, c_.n_expert_used, E, st.y, stream_);
-    gpu::add(st.x, st.y, static_cast<int64_t>(nt) * E, stream_);
+    const bool last = l + 1 == c_.n_layer;
+    const float* next_norm = last ? nullptr : layers_[l + 1].attn_norm;
+    float* xn = last ? nullptr : st.xn;
+    if (layers_[l].moe)
+      gpu::residual_norm(st.x, nullptr, st.ey, st.wts, c_.n_expert_used, next_norm, xn, c_.n_embd, nt, c_.rms_eps, stream_);
+    else
+      gpu::residual_norm(st.x, st.y, nullptr, nullptr, 0, next_norm, xn, c_.n_embd, nt, c_.rms_eps, stream_);
   }
 
   // Final norm and output head for the last n_out rows (at most 64) into pinned st.h_out.
@@ -512,6 +586,7 @@ class Qwen3Gpu final : public GpuRunner {
     seg.begin();
     if (seg.recording()) {
       upload_inputs(st, 1);
+      input_norm(st, 1);
       attention_block(st, pool, 0, 1, pos0);
       ffn_gpu(st, pool, 0, 1);
     }
@@ -541,11 +616,13 @@ class Qwen3Gpu final : public GpuRunner {
     if (nt == 1 && n_out == 1 && graphs_ok_) return decode_step_graphs(st, pool, tokens[0], pos0, logits);
     prepare_inputs(st, pool, tokens, pos0);
     upload_inputs(st, nt);
+    input_norm(st, nt);
+    if (nt > gpu::kMaxVecTokens) start_expert_stream(st, nt);
     for (int l = 0; l < c_.n_layer; ++l) {
       attention_block(st, pool, l, nt, pos0);
       if (layers_[l].moe && nt > gpu::kMaxVecTokens) {
-        moe_prefill(st, pool, layers_[l], nt);
-        gpu::add(st.x, st.y, static_cast<int64_t>(nt) * c_.n_embd, stream_);
+        moe_prefill(st, pool, l, nt);
+        ffn_finish(st, l, nt);
         continue;
       }
       ffn_gpu(st, pool, l, nt);
@@ -562,14 +639,15 @@ class Qwen3Gpu final : public GpuRunner {
     gpu::sync_stream(stream_);
   }
 
-  // Routed experts of one layer for a prefill micro-batch: input st.xn [nt][E], output st.y [nt][E].
+  // Routed experts of one layer for a prefill micro-batch: input st.xn [nt][E], output st.ey, one row
+  // per router slot [nt * k][E].
   // Slots are grouped by expert on the host; every device-resident expert then runs in one grouped
   // launch per matrix (gate+up with SwiGLU fused, then down, scattered back to the slots' rows). The
-  // host-resident experts the batch uses are either computed on the CPU or uploaded in chunks of
-  // kStageExperts through two staging buffers, the upload of one chunk overlapping the products of
-  // the previous one (a second stream and two event pairs keep them in order).
-  void moe_prefill(GpuState& st, ThreadPool& pool, GLayer& G, int nt) {
+  // host-resident experts run from the upload ring (start_expert_stream) or, for the layers the cost
+  // model gave to the CPU, on the CPU threads.
+  void moe_prefill(GpuState& st, ThreadPool& pool, int l, int nt) {
     const ModelConfig& c = c_;
+    GLayer& G = layers_[l];
     const int E = c.n_embd, k = c.n_expert_used, n_slots = nt * k, NE = c.n_expert;
     const int64_t ff = c.n_ff_exp;
     GExperts& X = G.experts;
@@ -609,26 +687,19 @@ class Qwen3Gpu final : public GpuRunner {
       gpu::moe_matmul(X.down, st.offsets, NE, X.slot_of_dev, st.g, ff, nullptr, n_slots, st.ey, E, stream_, st.idx_b);
     }
 
-    // Host-resident experts this batch uses, and the cost model's choice between PCIe and the CPU.
-    std::vector<int> host_used;
-    int host_assign = 0;
-    for (int e = 0; e < NE; ++e)
-      if (X.slot_of[e] < 0 && count[e + 1] > 0) host_used.push_back(e), host_assign += count[e + 1];
-    if (!host_used.empty()) {
-      const double per_expert = static_cast<double>(X.host->gate.matrix_bytes() + X.host->up.matrix_bytes() +
-                                                    X.host->down.matrix_bytes());
-      const auto& m = plan_.machine;
-      const double t_upload = m.pcie_bw > 0 ? host_used.size() * per_expert / m.pcie_bw : 1e9;
-      const double t_cpu = m.cpu_int8_flops > 0 ? host_assign * 2.0 * per_expert / 0.6 / m.cpu_int8_flops : 1e9;
-      const std::string& mode = plan_.options.prefill_host_experts;
-      if (mode == "cpu" || (mode == "auto" && t_cpu < t_upload)) {
-        host_experts_on_cpu(st, pool, X, host_used, h_off, h_rows, h_dst, nt);
+    // Host-resident experts: streamed chunks (already on their way), or the CPU for the ones used.
+    if (!X.chunks.empty()) {
+      if (st.layer_streams[l]) {
+        run_streamed_chunks(st, X, l, h_off);
       } else {
-        upload_host_experts(st, X, host_used, h_off);
+        std::vector<int> host_used;
+        for (int e = 0; e < NE; ++e)
+          if (X.slot_of[e] < 0 && count[e + 1] > 0) host_used.push_back(e);
+        if (!host_used.empty()) host_experts_on_cpu(st, pool, X, host_used, h_off, h_rows, h_dst, nt);
       }
     }
-    gpu::moe_combine(st.ey, st.wts, nt, k, E, st.y, stream_);
-    gpu::sync_stream(stream_);
+    // No sync here: the pinned routing tables are rewritten only after the next layer's routing sync.
+    // The outputs stay per slot in st.ey; ffn_finish combines them.
   }
 
   // h = silu(gate x) * (up x) for the grouped slots of the experts `slot_of` selects. One fused
@@ -662,50 +733,97 @@ class Qwen3Gpu final : public GpuRunner {
       gpu::copy_h2d(st.ey + static_cast<int64_t>(slot[i]) * E, st.h_ey + i * E, sizeof(float) * E, stream_);
   }
 
-  void upload_host_experts(GpuState& st, GExperts& X, const std::vector<int>& used, const int32_t* h_off) {
+  bool has_host_experts() const {
+    for (const auto& G : layers_)
+      if (!G.experts.chunks.empty()) return true;
+    return false;
+  }
+
+  // Before a prefill micro-batch of nt tokens: per MoE layer with host experts, the cost model picks
+  // streaming all of them over PCIe (every chunk, used or not: a large batch uses nearly all, and the
+  // copies can then start before the routing is known) or running the ones used on the CPU. The first
+  // chunks of the stream go out at once; each chunk consumed releases the next.
+  void start_expert_stream(GpuState& st, int nt) {
+    st.layer_streams.assign(c_.n_layer, 0);
+    st.stream_seq.clear();
+    st.stream_copied = st.stream_used = 0;
+    const auto& m = plan_.machine;
+    const std::string& mode = plan_.options.prefill_host_experts;
+    for (int l = 0; l < c_.n_layer; ++l) {
+      const GExperts& X = layers_[l].experts;
+      if (!layers_[l].moe || X.chunks.empty()) continue;
+      const int n_host = c_.n_expert - X.n_dev;
+      const double per_expert = static_cast<double>(X.host->gate.matrix_bytes() + X.host->up.matrix_bytes() +
+                                                    X.host->down.matrix_bytes());
+      const double t_upload = m.pcie_bw > 0 ? n_host * per_expert / m.pcie_bw : 1e9;
+      const double host_slots = static_cast<double>(nt) * c_.n_expert_used * n_host / c_.n_expert;
+      const double t_cpu = m.cpu_int8_flops > 0 ? host_slots * 2.0 * per_expert / 0.6 / m.cpu_int8_flops : 1e9;
+      const bool stream = mode == "upload" || (mode == "auto" && t_upload <= t_cpu);
+      if (!stream) continue;
+      st.layer_streams[l] = 1;
+      for (size_t ci = 0; ci < X.chunks.size(); ++ci) st.stream_seq.emplace_back(l, static_cast<int>(ci));
+    }
+    while (st.stream_copied < st.stream_seq.size() && st.stream_copied < static_cast<size_t>(kPrefillStageSlots))
+      issue_chunk_copy(st);
+  }
+
+  // Uploads the next chunk of the stream into its ring buffer, once the products that last read that
+  // buffer are done. The plan keeps a layer's host experts contiguous, so a chunk is usually one run
+  // of consecutive experts: one copy per matrix.
+  void issue_chunk_copy(GpuState& st) {
+    const size_t i = st.stream_copied++;
+    const int b = static_cast<int>(i % kPrefillStageSlots);
+    const auto [l, ci] = st.stream_seq[i];
+    const GExperts& X = layers_[l].experts;
+    const HostChunk& ch = X.chunks[ci];
+    const Weight &hg = X.host->gate, &hu = X.host->up, &hd = X.host->down;
+    const size_t bg = hg.matrix_bytes(), bu = hu.matrix_bytes(), bd = hd.matrix_bytes();
+    auto* base = static_cast<uint8_t*>(st.stage[b]);
+    gpu::wait_event(st.copy_stream, st.ev_free[b]);
+    const int cnt = static_cast<int>(ch.experts.size());
+    for (int p = 0; p < cnt;) {
+      int run = 1;
+      while (p + run < cnt && ch.experts[p + run] == ch.experts[p] + run) ++run;
+      const int e = ch.experts[p];
+      gpu::copy_h2d(base + bg * p, hg.expert(e).host, bg * run, st.copy_stream);
+      gpu::copy_h2d(base + bg * chunk_experts_ + bu * p, hu.expert(e).host, bu * run, st.copy_stream);
+      gpu::copy_h2d(base + (bg + bu) * chunk_experts_ + bd * p, hd.expert(e).host, bd * run, st.copy_stream);
+      p += run;
+    }
+    gpu::record_event(st.ev_filled[b], st.copy_stream);
+  }
+
+  // The streamed chunks of layer l, in order: wait for a chunk's upload, run its experts' grouped
+  // products (skipped when the batch routed nothing to them), free the buffer, release the next copy.
+  void run_streamed_chunks(GpuState& st, GExperts& X, int l, const int32_t* h_off) {
     const int NE = c_.n_expert, E = c_.n_embd;
     const int64_t ff = c_.n_ff_exp;
     const Weight &hg = X.host->gate, &hu = X.host->up, &hd = X.host->down;
-    const size_t bg = hg.matrix_bytes(), bu = hu.matrix_bytes(), bd = hd.matrix_bytes();
-    const int n_chunks = static_cast<int>((used.size() + kStageExperts - 1) / kStageExperts);
-    for (int ci = 0; ci < n_chunks; ++ci) {
-      const int b = ci & 1;
-      const int first = ci * kStageExperts, cnt = std::min<int>(kStageExperts, static_cast<int>(used.size()) - first);
-      uint8_t* base = static_cast<uint8_t*>(st.stage[b]);
-      // The copy may only overwrite buffer b once the products that read it (two chunks back) are done.
-      gpu::wait_event(st.copy_stream, st.ev_stage[b]);
-      int32_t* map = st.h_slotmap + static_cast<size_t>(ci) * NE;
-      std::fill(map, map + NE, -1);
-      // Runs of consecutive expert ids go up as one copy per matrix: far fewer, larger transfers (the
-      // plan keeps the host experts of a layer contiguous, so a busy batch has long runs).
-      for (int p = 0; p < cnt;) {
-        int run = 1;
-        while (p + run < cnt && used[first + p + run] == used[first + p] + run) ++run;
-        const int e = used[first + p];
-        for (int q = 0; q < run; ++q) map[e + q] = p + q;
-        gpu::copy_h2d(base + bg * p, hg.expert(e).host, bg * run, st.copy_stream);
-        gpu::copy_h2d(base + bg * kStageExperts + bu * p, hu.expert(e).host, bu * run, st.copy_stream);
-        gpu::copy_h2d(base + (bg + bu) * kStageExperts + bd * p, hd.expert(e).host, bd * run, st.copy_stream);
-        p += run;
-      }
-      gpu::copy_h2d(st.slotmap[b], map, sizeof(int32_t) * NE, st.copy_stream);
-      gpu::record_event(st.ev_copied[b], st.copy_stream);
-      gpu::wait_event(stream_, st.ev_copied[b]);
-      DevMatrix g3 = matrix_view(hg, base), u3 = matrix_view(hu, base + bg * kStageExperts),
-                d3 = matrix_view(hd, base + (bg + bu) * kStageExperts);
-      g3.n_mats = u3.n_mats = d3.n_mats = cnt;
-      // The chunk's own slot count sizes the launches (experts of a chunk are not contiguous in the
-      // grouped order, so SwiGLU of mixed types covers the span from its first to its last expert).
+    const size_t bg = hg.matrix_bytes(), bu = hu.matrix_bytes();
+    for (size_t ci = 0; ci < X.chunks.size(); ++ci) {
+      const size_t i = st.stream_used++;
+      if (i >= st.stream_seq.size() || st.stream_seq[i] != std::make_pair(l, static_cast<int>(ci)))
+        throw Error("internal: the prefill expert stream is out of order");
+      const int b = static_cast<int>(i % kPrefillStageSlots);
+      const HostChunk& ch = X.chunks[ci];
       int chunk_slots = 0, lo = INT32_MAX, hi = 0;
-      for (int p = 0; p < cnt; ++p) {
-        const int e = used[first + p];
+      for (int e : ch.experts) {
         chunk_slots += h_off[e + 1] - h_off[e];
-        lo = std::min(lo, h_off[e]);
-        hi = std::max(hi, h_off[e + 1]);
+        if (h_off[e + 1] > h_off[e]) lo = std::min(lo, h_off[e]), hi = std::max(hi, h_off[e + 1]);
       }
-      gate_up(st, g3, u3, st.slotmap[b], chunk_slots, lo, hi - lo);
-      gpu::moe_matmul(d3, st.offsets, NE, st.slotmap[b], st.g, ff, nullptr, chunk_slots, st.ey, E, stream_, st.idx_b);
-      gpu::record_event(st.ev_stage[b], stream_);
+      gpu::wait_event(stream_, st.ev_filled[b]);
+      if (chunk_slots > 0) {
+        auto* base = static_cast<uint8_t*>(st.stage[b]);
+        DevMatrix g3 = matrix_view(hg, base), u3 = matrix_view(hu, base + bg * chunk_experts_),
+                  d3 = matrix_view(hd, base + (bg + bu) * chunk_experts_);
+        g3.n_mats = u3.n_mats = d3.n_mats = static_cast<int>(ch.experts.size());
+        // (With mixed gate/up types, SwiGLU covers the grouped rows from the chunk's first used expert
+        // to its last.)
+        gate_up(st, g3, u3, ch.slot_of_dev, chunk_slots, lo, hi - lo);
+        gpu::moe_matmul(d3, st.offsets, NE, ch.slot_of_dev, st.g, ff, nullptr, chunk_slots, st.ey, E, stream_, st.idx_b);
+      }
+      gpu::record_event(st.ev_free[b], stream_);
+      if (st.stream_copied < st.stream_seq.size()) issue_chunk_copy(st);
     }
   }
 
@@ -720,7 +838,7 @@ class Qwen3Gpu final : public GpuRunner {
   DevMatrix embed_dev_;
   std::vector<GLayer> layers_;
   bool graphs_ok_ = false;
-  static constexpr int kStageExperts = 16;  // host experts per upload chunk during prefill
+  const int chunk_experts_;  // host experts per streamed prefill chunk
 };
 
 }  // namespace

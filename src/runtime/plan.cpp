@@ -95,7 +95,59 @@ const TensorPlacement* Plan::find(const std::string& name) const {
   return nullptr;
 }
 
-Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions& opt, const MachineProfile& m) {
+uint64_t gpu_scratch_bytes(const ModelConfig& cfg, int n_ubatch, int n_ctx, uint64_t expert_bytes, int chunk_experts) {
+  // Mirrors the GPU engine's allocate_scratch (src/cuda/qwen3_gpu.cpp): each buffer, rounded up to the
+  // accountant's 256-byte alignment, then 5% for what the estimate does not see.
+  const uint64_t U = static_cast<uint64_t>(std::max(1, n_ubatch));
+  const uint64_t E = static_cast<uint64_t>(std::max(cfg.n_expert, 1)), k = static_cast<uint64_t>(std::max(cfg.n_expert_used, 1));
+  const uint64_t n = cfg.n_embd, qw = static_cast<uint64_t>(cfg.n_head) * cfg.head_dim,
+                 kw = static_cast<uint64_t>(cfg.n_head_kv) * cfg.head_dim, vw = static_cast<uint64_t>(cfg.n_head_kv) * cfg.head_dim_v,
+                 aw = static_cast<uint64_t>(cfg.n_head) * cfg.head_dim_v;
+  const uint64_t ff = static_cast<uint64_t>(std::max<int64_t>({cfg.n_ff_exp, cfg.n_ff, 1}));
+  const uint64_t slots = cfg.n_expert ? U * k : U;
+  uint64_t total = 0;
+  auto buf = [&](uint64_t bytes) { total += (bytes + 255) / 256 * 256; };
+  for (uint64_t w : {n, n, qw, kw, vw, aw, n, E, n}) buf(U * w * 4);  // x xn q k v att y rlogits xg
+  buf(slots * 4);                                                      // router weights
+  buf(slots * ff * 4), buf(slots * ff * 4), buf(slots * n * 4);        // g u ey
+  buf(std::min<uint64_t>(U, 64) * static_cast<uint64_t>(cfg.n_vocab) * 4);
+  for (int i = 0; i < 5; ++i) buf(slots * 4);                          // ids, index tables
+  buf(U * 4), buf(U * 4);                                              // positions, tokens
+  const uint64_t vec_tokens = std::min<uint64_t>(U, 8);               // gpu::kMaxVecTokens
+  buf(std::max<uint64_t>({n, qw, aw, ff}) * (cfg.n_expert ? vec_tokens * k : vec_tokens) * 4);  // matvec activations
+  buf(64 * MiB);                                                       // dequantized weight tiles
+  // Attention: only the split-K decode path (<= 8 queries) keeps per-split partials.
+  const uint64_t rows = std::min<uint64_t>(U, 8) * cfg.n_head;
+  buf(rows * static_cast<uint64_t>(std::max(n_ctx, 1)) * 4), buf(rows * 128 * 4), buf(rows * 128 * 8),
+      buf(rows * 128 * static_cast<uint64_t>(cfg.head_dim_v) * 4);
+  if (cfg.n_expert) {
+    buf(static_cast<uint64_t>(kPrefillStageSlots) * std::max(1, chunk_experts) * expert_bytes);  // upload ring
+    buf((E + 1) * 4);
+  }
+  return total * 21 / 20;
+}
+
+Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions& opt_in, const MachineProfile& m) {
+  if (opt_in.n_ubatch <= 0) {
+    // Automatic micro-batch: 512; when experts stay on the host, 2048 if it fits, since every prefill
+    // micro-batch uploads the host experts it uses once, so a larger one spreads that PCIe time over
+    // four times the tokens (the reference's best setting too).
+    PlanOptions o = opt_in;
+    o.n_ubatch = 512;
+    Plan small = make_plan(file, cfg, o, m);
+    if (!small.use_gpu || small.host_experts == 0 || o.prefill_host_experts == "cpu") return small;
+    o.n_ubatch = 2048;
+    try {
+      Plan big = make_plan(file, cfg, o, m);
+      big.notes.push_back("prefill micro-batch 2048 (automatic): each micro-batch streams the host experts over PCIe "
+                          "once; its scratch costs " + gib(static_cast<double>(big.gpu_scratch) - small.gpu_scratch) +
+                          " more than a 512-token one (-b sets it)");
+      return big;
+    } catch (const Error&) {
+      return small;
+    }
+  }
+  const PlanOptions& opt = opt_in;
   Plan p;
   p.options = opt;
   p.machine = m;
@@ -107,21 +159,16 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
   const uint64_t kv_per_token = static_cast<uint64_t>(cfg.n_layer) * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) * kv_es;
   p.gpu_kv = kv_per_token * static_cast<uint64_t>(opt.n_ctx);
   {
-    const uint64_t u = static_cast<uint64_t>(opt.n_ubatch);
-    const uint64_t widths = 3ull * cfg.n_embd + static_cast<uint64_t>(cfg.n_head) * (cfg.head_dim + cfg.head_dim_v) +
-                            2ull * cfg.n_head_kv * cfg.head_dim + std::max(E, 1);
-    uint64_t act = u * widths * 4;
-    if (E) act += u * k * (2ull * cfg.n_ff_exp + cfg.n_embd) * 4 + u * cfg.n_embd * 2;
-    if (cfg.n_ff) act += u * 3ull * cfg.n_ff * 4;
-    const uint64_t logits = static_cast<uint64_t>(cfg.n_vocab) * 4 * 64;  // logits come out 64 rows at a time
-    const uint64_t dequant = 64 * MiB;                               // prefill: dequantized weight tiles
-    const uint64_t attn = 2 * u * cfg.n_head * (static_cast<uint64_t>(std::min(opt.n_ctx, 4096)) + cfg.head_dim_v) * 4;
-    // Two staging buffers for host experts uploaded during prefill (16 experts each, as the GPU engine).
-    uint64_t staging = 0;
-    if (E)
-      for (const auto& t : file.tensors())
-        if (expert_layer(t.name) == 0) staging += 2 * 16 * (t.nbytes / E);
-    p.gpu_scratch = (act + logits + dequant + attn + staging) * 11 / 10;
+    uint64_t per_expert = 0;  // one expert's gate + up + down bytes, largest over the layers
+    if (E) {
+      std::vector<uint64_t> per_layer(cfg.n_layer, 0);
+      for (const auto& t : file.tensors()) {
+        const int l = expert_layer(t.name);
+        if (l >= 0 && l < cfg.n_layer) per_layer[l] += t.nbytes / E;
+      }
+      for (uint64_t b : per_layer) per_expert = std::max(per_expert, b);
+    }
+    p.gpu_scratch = gpu_scratch_bytes(cfg, opt.n_ubatch, opt.n_ctx, per_expert, opt.prefill_chunk_experts);
   }
   p.reserve = 640 * MiB;  // CUDA context, cuBLAS workspace, allocator slack
 

@@ -43,13 +43,16 @@ struct PlanOptions {
   uint64_t vram_budget = 0;           // 0: the card's free memory minus a margin
   int n_ctx = 4096;
   DType kv_type = DType::F16;
-  int n_ubatch = 512;                 // prefill micro-batch
+  int n_ubatch = 0;                   // prefill micro-batch on the GPU; 0: automatic (see make_plan)
   int n_cpu_moe = 0;                  // experts of the first N layers on the host
   bool cpu_moe = false;               // all routed experts on the host
   std::vector<TensorOverride> overrides;
   // How prefill treats host-resident experts a micro-batch uses: "auto" (the cost model picks per
   // layer), "upload" (copy them to the GPU) or "cpu" (compute them on the CPU).
   std::string prefill_host_experts = "auto";
+  // Host experts per streamed chunk: 16 makes each copy large enough for full PCIe speed (tests use
+  // smaller chunks to exercise the ring).
+  int prefill_chunk_experts = 16;
 };
 
 struct TensorPlacement {
@@ -84,6 +87,14 @@ struct Plan {
   std::string summary_line() const;   // the one line `run` prints
   std::string report() const;         // what `fitmoe plan` prints
 };
+
+// Prefill streams host-resident experts to the GPU through a ring of this many staging buffers of
+// PlanOptions::prefill_chunk_experts experts each (src/cuda/qwen3_gpu.cpp); the plan reserves them.
+constexpr int kPrefillStageSlots = 6;
+
+// GPU scratch of one model state: activations for a micro-batch of n_ubatch tokens, attention
+// partials for a context of n_ctx, and the upload ring (expert_bytes: one expert's gate+up+down).
+uint64_t gpu_scratch_bytes(const ModelConfig& cfg, int n_ubatch, int n_ctx, uint64_t expert_bytes, int chunk_experts);
 
 // Builds the plan from the file alone (no weights are read). Throws Error when the budget cannot hold
 // the non-expert weights plus a minimal KV cache, saying how much is needed.

@@ -9,7 +9,8 @@ namespace fitmoe {
 Session::Session(const Model& model, const SessionOptions& opt)
     : model_(model), opt_(opt), pool_(opt.n_threads) {
   if (opt.n_ctx <= 0) throw Error("context size must be positive");
-  if (opt_.n_batch <= 0) opt_.n_batch = 512;
+  // Automatic batch: the plan's GPU micro-batch (larger when prefill streams host experts), else 512.
+  if (opt_.n_batch <= 0) opt_.n_batch = std::max(512, model.plan().options.n_ubatch);
   StateOptions so;
   so.n_ctx = opt.n_ctx;
   so.kv_type = opt.kv_type;

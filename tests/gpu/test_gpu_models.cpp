@@ -1,6 +1,7 @@
 // qwen3moe / qwen3 on the GPU against the reference's logits and greedy tokens: fully on the GPU, and
 // in hybrid mode with experts forced to the host (all of them, one layer's, and half of every
-// layer's by a tight budget), with both prefill treatments of host experts. Skips without a GPU.
+// layer's by a tight budget), with both prefill treatments of host experts (streamed in chunks, also
+// with one expert per chunk so that the upload ring wraps, and on the CPU). Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include "cuda/device.h"
@@ -28,6 +29,8 @@ std::unique_ptr<Model> load_gpu(const std::string& path, const std::string& mode
   const std::string base = mode.substr(0, mode.find('/'));
   if (mode.find("/cpu") != std::string::npos) lo.plan.prefill_host_experts = "cpu";
   else if (mode.find("/upload") != std::string::npos) lo.plan.prefill_host_experts = "upload";
+  // One expert per streamed chunk: more chunks than the upload ring has buffers, so it wraps.
+  if (mode.find("/chunk1") != std::string::npos) lo.plan.prefill_chunk_experts = 1;
   if (base == "cpu_moe") lo.plan.cpu_moe = true;
   if (base == "n_cpu_moe1") lo.plan.n_cpu_moe = 1;
   if (base == "half_budget") {
@@ -82,7 +85,8 @@ std::vector<GpuCase> cases() {
   for (const char* t : {"f32", "f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q5_1", "q4_0", "iq4_xs", "q3_k_m"})
     out.push_back({"qwen3moe-tiny", t, "gpu"});
   for (const char* t : {"f32", "q4_k_m"})
-    for (const char* m : {"cpu_moe/upload", "cpu_moe/cpu", "n_cpu_moe1/upload", "half_budget/upload", "half_budget/cpu"})
+    for (const char* m : {"cpu_moe/upload", "cpu_moe/upload/chunk1", "cpu_moe/cpu", "n_cpu_moe1/upload",
+                          "half_budget/upload", "half_budget/upload/chunk1", "half_budget/cpu"})
       out.push_back({"qwen3moe-tiny", t, m});
   for (const char* t : {"f32", "q8_0"}) out.push_back({"qwen3-draft", t, "gpu"});
   return out;

@@ -507,6 +507,85 @@ TEST_F(GpuOps, RopeNeox) {
   }
 }
 
+// The fused block end must give the very bits of the unfused ops (add / moe_combine, then rms_norm),
+// which the tests above hold against the CPU reference.
+TEST_F(GpuOps, ResidualNormEqualsAddCombineAndNorm) {
+  const int n = 2048, rows = 3, k = 8;
+  std::vector<float> x = randn(static_cast<size_t>(n) * rows, 301, 2.0f), y = randn(static_cast<size_t>(n) * rows, 302);
+  std::vector<float> ey = randn(static_cast<size_t>(n) * rows * k, 303), wts = randn(static_cast<size_t>(rows) * k, 304, 0.3f);
+  std::vector<float> w = randn(n, 305);
+  auto dy = upload(y);
+  auto dey = upload(ey);
+  auto dwts = upload(wts);
+  auto dw = upload(w);
+  for (int combine = 0; combine < 2; ++combine)
+    for (int variant = 0; variant < 3; ++variant) {  // with weight, without weight, no norm at all
+      auto dx_fused = upload(x), dx_ref = upload(x);
+      Dev xn_fused(x.size() * 4), xn_ref(x.size() * 4), tmp(x.size() * 4);
+      const float* wp = variant == 0 ? dw->as<float>() : nullptr;
+      float* xnp = variant == 2 ? nullptr : xn_fused.as<float>();
+      residual_norm(dx_fused->as<float>(), combine ? nullptr : dy->as<float>(), combine ? dey->as<float>() : nullptr,
+                    combine ? dwts->as<float>() : nullptr, combine ? k : 0, wp, xnp, n, rows, 1e-6f, s());
+      if (combine) {
+        moe_combine(dey->as<float>(), dwts->as<float>(), rows, k, n, tmp.as<float>(), s());
+        add(dx_ref->as<float>(), tmp.as<float>(), static_cast<int64_t>(n) * rows, s());
+      } else {
+        add(dx_ref->as<float>(), dy->as<float>(), static_cast<int64_t>(n) * rows, s());
+      }
+      if (variant != 2) rms_norm(dx_ref->as<float>(), wp, xn_ref.as<float>(), n, rows, 1e-6f, n, n, s());
+      sync();
+      auto gx = dx_fused->down<float>(x.size()), rx = dx_ref->down<float>(x.size());
+      auto gn = xn_fused.down<float>(x.size()), rn = xn_ref.down<float>(x.size());
+      for (size_t i = 0; i < x.size(); ++i) {
+        ASSERT_EQ(bits(gx[i]), bits(rx[i])) << "x, combine " << combine << " variant " << variant << " at " << i;
+        if (variant == 2) ASSERT_TRUE(is_poison(gn[i])) << "xn written without a norm, at " << i;
+        else ASSERT_EQ(bits(gn[i]), bits(rn[i])) << "xn, combine " << combine << " variant " << variant << " at " << i;
+      }
+    }
+  EXPECT_THROW(residual_norm(nullptr, nullptr, nullptr, nullptr, 0, nullptr, nullptr, n, 1, 1e-6f, s()), Error);
+}
+
+// The fused attention prologue against rms_norm + rope_neox + kv_store on copies: the same bits in q
+// and in both caches, nothing else of the cache written.
+TEST_F(GpuOps, QkNormRopeStoreEqualsTheUnfusedOps) {
+  const int n_head = 8, n_head_kv = 2, n_ctx = 64;
+  const std::vector<int32_t> pos = {3, 4, 5, 40, 63};
+  const int nt = static_cast<int>(pos.size());
+  auto d_pos = upload(pos);
+  for (DType cache : {DType::F16, DType::F32})
+    for (int hd : {128, 64})
+      for (int n_rot : {hd, hd / 2}) {
+        const int hdv = hd, qw = n_head * hd, kw = n_head_kv * hd, vw = n_head_kv * hdv;
+        const float base = 1000000.0f, eps = 1e-6f;
+        std::vector<float> q = randn(static_cast<size_t>(qw) * nt, 311 + hd + n_rot, 2.0f);
+        std::vector<float> kk = randn(static_cast<size_t>(kw) * nt, 312 + hd), v = randn(static_cast<size_t>(vw) * nt, 313);
+        std::vector<float> qn = randn(hd, 314), kn = randn(hd, 315);
+        auto dq_f = upload(q), dq_r = upload(q), dk = upload(kk), dk_r = upload(kk), dv = upload(v);
+        auto dqn = upload(qn), dkn = upload(kn);
+        const size_t es = cache == DType::F16 ? 2 : 4;
+        Dev kc_f(static_cast<size_t>(n_ctx) * kw * es), vc_f(static_cast<size_t>(n_ctx) * vw * es);
+        Dev kc_r(static_cast<size_t>(n_ctx) * kw * es), vc_r(static_cast<size_t>(n_ctx) * vw * es);
+        DevKv kv_f{cache, kc_f.bytes(), vc_f.bytes(), n_ctx}, kv_r{cache, kc_r.bytes(), vc_r.bytes(), n_ctx};
+        qk_norm_rope_store(dq_f->as<float>(), qw, dk->as<float>(), kw, dv->as<float>(), vw, dqn->as<float>(),
+                           dkn->as<float>(), kv_f, d_pos->as<int32_t>(), nt, n_head, n_head_kv, hd, hdv, n_rot, base,
+                           1.0f, eps, s());
+        rms_norm(dq_r->as<float>(), dqn->as<float>(), dq_r->as<float>(), hd, nt * n_head, eps, hd, hd, s());
+        rms_norm(dk_r->as<float>(), dkn->as<float>(), dk_r->as<float>(), hd, nt * n_head_kv, eps, hd, hd, s());
+        rope_neox(dq_r->as<float>(), nt, n_head, hd, qw, n_rot, d_pos->as<int32_t>(), base, 1.0f, s());
+        rope_neox(dk_r->as<float>(), nt, n_head_kv, hd, kw, n_rot, d_pos->as<int32_t>(), base, 1.0f, s());
+        kv_store(kv_r, d_pos->as<int32_t>(), nt, dk_r->as<float>(), kw, dv->as<float>(), vw, n_head_kv, hd, hdv, s());
+        sync();
+        const std::string what = std::string(cache == DType::F16 ? "f16" : "f32") + " hd " + std::to_string(hd) +
+                                  " n_rot " + std::to_string(n_rot);
+        auto gq = dq_f->down<float>(q.size()), rq = dq_r->down<float>(q.size());
+        for (size_t i = 0; i < q.size(); ++i) ASSERT_EQ(bits(gq[i]), bits(rq[i])) << what << " q at " << i;
+        auto gk = kc_f.down<uint8_t>(kc_f.size()), rk = kc_r.down<uint8_t>(kc_r.size());
+        auto gv = vc_f.down<uint8_t>(vc_f.size()), rv = vc_r.down<uint8_t>(vc_r.size());
+        ASSERT_EQ(gk, rk) << what << ": K cache differs";  // includes the untouched (poisoned) rows
+        ASSERT_EQ(gv, rv) << what << ": V cache differs";
+      }
+}
+
 TEST_F(GpuOps, CopyRows) {
   const int width = 300, n_src = 6;
   const int64_t ld_src = 320, ld_dst = 310;
