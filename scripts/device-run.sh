@@ -37,7 +37,9 @@ fi
 if [ "$WHAT" = all ] || [ "$WHAT" = gpu ]; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
   ARGS=${GPU_BENCH_ARGS:--p 512,2048 -n 128 -r 3}
-  for cfg in "all-gpu|$ARGS" "vram-8G|--vram 8G $ARGS" "vram-8G-ub2048|--vram 8G -b 2048 -p 2048 -n 0 -r 2" "vram-8G-cpu-prefill|--vram 8G --prefill-experts cpu -p 512 -n 0 -r 2"; do
+  # vram-8G picks its micro-batch itself (2048 when experts stay on the host); -ub512 is the
+  # reference's default micro-batch for comparison.
+  for cfg in "all-gpu|$ARGS" "vram-8G|--vram 8G $ARGS" "vram-8G-ub512|--vram 8G -b 512 -p 512,2048 -n 0 -r 2" "vram-8G-cpu-prefill|--vram 8G --prefill-experts cpu -p 512 -n 0 -r 2"; do
     name=${cfg%%|*}; flags=${cfg#*|}
     case " ${SKIP_CONFIGS:-} " in *" $name "*) continue ;; esac
     echo "== GPU bench: $name ($flags)"

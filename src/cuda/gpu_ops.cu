@@ -500,6 +500,7 @@ struct MvArgs {
   const int32_t* ids;      // experts mode (blockIdx.y = slot) when not null
   const int32_t* slot_of;
   const int32_t* act_row;
+  const uint8_t* w2;       // gated mode: the up matrices (same layout as w); y = silu(w x) * (w2 x)
 };
 
 constexpr int kMvWarps = 4;  // warps per CTA; each warp owns R rows
@@ -522,8 +523,9 @@ __device__ __forceinline__ bool mv_slot(const MvArgs& a, const uint8_t*& wm, con
 }
 
 // Quantized weights: one warp per R rows, lanes over the 32-value parts of the row; every weight part
-// is decoded once and used for all NT (<= NT) tokens.
-template <DType T, int NT, int R>
+// is decoded once and used for all NT (<= NT) tokens. GLU: the same rows of a second matrix (up) too,
+// and the output is silu(gate) * up exactly as swiglu_kernel computes it.
+template <DType T, int NT, int R, bool GLU = false>
 __global__ void __launch_bounds__(kMvWarps * 32) mmvq_kernel(const MvArgs a) {
   using W = WT<T>;
   constexpr int P = W::kQK / 32;
@@ -531,32 +533,39 @@ __global__ void __launch_bounds__(kMvWarps * 32) mmvq_kernel(const MvArgs a) {
   const uint8_t* acts;
   float* y;
   if (!mv_slot(a, wm, acts, y)) return;
+  const uint8_t* wm2 = GLU ? a.w2 + (wm - a.w) : nullptr;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * kMvWarps + warp) * R;
   if (row0 >= a.rows) return;
   const int nt = a.n_tokens;
   const int64_t nparts = a.cols / 32;
-  float acc[R][NT];
+  float acc[R][NT], acc2[GLU ? R : 1][NT];
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[r][t] = 0.0f;
+#pragma unroll
+  for (int r = 0; r < (GLU ? R : 1); ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc2[r][t] = 0.0f;
 
   for (int64_t base = 0; base < nparts; base += 32) {
     const int64_t part = base + lane;
     const bool active = part < nparts;
     const int64_t blk = part / P;
     const int p = static_cast<int>(part % P);
-    WPart w[R];
+    WPart w[R], w2[GLU ? R : 1];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (active && row0 + r < a.rows) {
         W::decode(wm + (row0 + r) * a.row_bytes + blk * W::kBytes, p, w[r]);
+        if constexpr (GLU) W::decode(wm2 + (row0 + r) * a.row_bytes + blk * W::kBytes, p, w2[r]);
       } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i) w[r].q[i] = 0;
         w[r].d = w[r].m = 0.0f;
         w[r].sc0 = w[r].sc1 = w[r].mn0 = w[r].mn1 = 0;
+        if constexpr (GLU) w2[r] = w[r];
       }
     }
 #pragma unroll
@@ -572,7 +581,10 @@ __global__ void __launch_bounds__(kMvWarps * 32) mmvq_kernel(const MvArgs a) {
           x.bs0 = x.bs1 = 0;
         }
 #pragma unroll
-        for (int r = 0; r < R; ++r) acc[r][t] = block_dot<T>(w[r], x, p, active, acc[r][t]);
+        for (int r = 0; r < R; ++r) {
+          acc[r][t] = block_dot<T>(w[r], x, p, active, acc[r][t]);
+          if constexpr (GLU) acc2[r][t] = block_dot<T>(w2[r], x, p, active, acc2[r][t]);
+        }
       }
     }
   }
@@ -581,7 +593,11 @@ __global__ void __launch_bounds__(kMvWarps * 32) mmvq_kernel(const MvArgs a) {
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       if (t < nt) {
-        const float v = warp_sum(acc[r][t]);
+        float v = warp_sum(acc[r][t]);
+        if constexpr (GLU) {
+          const float u = warp_sum(acc2[r][t]);
+          v = __fmul_rn(__fdiv_rn(v, __fadd_rn(1.0f, expf(-v))), u);
+        }
         if (lane == 0 && row0 + r < a.rows) y[t * a.ld_y + row0 + r] = v;
       }
     }
@@ -692,6 +708,11 @@ void launch_mvq_nt(const MvArgs& a, unsigned n_slots, cudaStream_t s) {
 }
 template <DType T>
 void launch_mvq(const MvArgs& a, unsigned n_slots, cudaStream_t s) {
+  if (a.w2) {  // gated experts: one token per slot
+    const dim3 grid(blocks_for(a.rows, kMvWarps), n_slots);
+    mmvq_kernel<T, 1, 1, true><<<grid, kMvWarps * 32, 0, s>>>(a);
+    return;
+  }
   if (a.n_tokens <= 1) launch_mvq_nt<T, 1>(a, n_slots, s);
   else if (a.n_tokens <= 2) launch_mvq_nt<T, 2>(a, n_slots, s);
   else if (a.n_tokens <= 4) launch_mvq_nt<T, 4>(a, n_slots, s);
@@ -744,7 +765,8 @@ void check_weight(const DevMatrix& w, const char* what) {
 }
 
 void launch_matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_t ld_y, const int32_t* ids,
-                   const int32_t* slot_of, int n_slots, const int32_t* act_row, cudaStream_t s, const char* what) {
+                   const int32_t* slot_of, int n_slots, const int32_t* act_row, cudaStream_t s, const char* what,
+                   const DevMatrix* up = nullptr) {
   check_weight(w, what);
   const DType act = dtype_info(w.type).act_type;
   MvArgs a{};
@@ -761,6 +783,13 @@ void launch_matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y,
   a.ids = ids;
   a.slot_of = slot_of;
   a.act_row = act_row;
+  if (up) {
+    check_weight(*up, what);
+    if (up->type != w.type || up->rows != w.rows || up->cols != w.cols || up->mat_bytes != w.mat_bytes ||
+        up->n_mats != w.n_mats || w.type == DType::F32 || w.type == DType::F16 || w.type == DType::BF16 || !ids || n_tokens != 1)
+      fail(std::string(what) + ": gate and up must be quantized matrices of one type and shape, in experts mode");
+    a.w2 = up->data;
+  }
   const size_t act_al = (act == DType::Q8_1 || act == DType::Q8_K || act == DType::F32) ? 4 : 2;
   if (!aligned(acts, act_al)) fail(std::string(what) + ": activations must be " + std::to_string(act_al) + "-byte aligned");
   const unsigned slots = static_cast<unsigned>(n_slots);
@@ -1038,10 +1067,12 @@ __global__ void rms_norm_kernel(const float* x, const float* __restrict__ w, flo
 }
 
 // The end of a block, fused: x += y (or x += the routed experts' combination of ey with wts, as
-// moe_combine_kernel), then xn = rms_norm(x) * w when xn is given. One CTA of kNormThreads per row.
+// moe_combine_kernel; with ey_host, the rows of slots whose expert is host-resident, slot_of[ids[j]] < 0,
+// come from ey_host), then xn = rms_norm(x) * w when xn is given. One CTA of kNormThreads per row.
 __global__ void residual_norm_kernel(float* x, const float* __restrict__ y, const float* __restrict__ ey,
-                                     const float* __restrict__ wts, int k, const float* __restrict__ w,
-                                     float* __restrict__ xn, int n, float eps) {
+                                     const float* __restrict__ wts, int k, const float* __restrict__ ey_host,
+                                     const int32_t* __restrict__ ids, const int32_t* __restrict__ slot_of,
+                                     const float* __restrict__ w, float* __restrict__ xn, int n, float eps) {
   __shared__ double part[32];
   const int r = blockIdx.x, tid = threadIdx.x;
   float* xr = x + static_cast<int64_t>(r) * n;
@@ -1049,10 +1080,14 @@ __global__ void residual_norm_kernel(float* x, const float* __restrict__ y, cons
   for (int i = tid; i < n; i += blockDim.x) {
     float o;
     if (ey) {
-      const float* yt = ey + static_cast<int64_t>(r) * k * n + i;
-      const float* wt = wts + static_cast<int64_t>(r) * k;
-      o = __fmul_rn(yt[0], wt[0]);
-      for (int j = 1; j < k; ++j) o = __fadd_rn(o, __fmul_rn(yt[static_cast<int64_t>(j) * n], wt[j]));
+      const int64_t j0 = static_cast<int64_t>(r) * k;
+      const float* wt = wts + j0;
+      auto row = [&](int j) {
+        const float* src = ey_host && slot_of[ids[j0 + j]] < 0 ? ey_host : ey;
+        return src[(j0 + j) * n + i];
+      };
+      o = __fmul_rn(row(0), wt[0]);
+      for (int j = 1; j < k; ++j) o = __fadd_rn(o, __fmul_rn(row(j), wt[j]));
     } else {
       o = y[static_cast<int64_t>(r) * n + i];
     }
@@ -1854,11 +1889,13 @@ void rms_norm(const float* x, const float* w, float* y, int n, int rows, float e
 }
 
 void residual_norm(float* x, const float* y, const float* ey, const float* wts, int k, const float* w, float* xn,
-                   int n, int rows, float eps, Stream s) {
+                   int n, int rows, float eps, Stream s, const float* ey_host, const int32_t* ids,
+                   const int32_t* slot_of) {
   if (rows <= 0 || n <= 0) return;
   if ((y == nullptr) == (ey == nullptr)) fail("residual_norm: give exactly one of y and ey");
   if (ey && (!wts || k <= 0)) fail("residual_norm: the experts' combination needs weights and k > 0");
-  residual_norm_kernel<<<rows, kNormThreads, 0, cs(s)>>>(x, y, ey, wts, k, w, xn, n, eps);
+  if (ey_host && (!ey || !ids || !slot_of)) fail("residual_norm: host rows need ey, ids and slot_of");
+  residual_norm_kernel<<<rows, kNormThreads, 0, cs(s)>>>(x, y, ey, wts, k, ey_host, ids, slot_of, w, xn, n, eps);
   launched("residual_norm");
 }
 
@@ -1921,6 +1958,14 @@ void matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_
   if (n_tokens > kMaxVecTokens)
     fail("matvec: " + std::to_string(n_tokens) + " tokens, at most " + std::to_string(kMaxVecTokens));
   launch_matvec(w, acts, n_tokens, y, ld_y, nullptr, nullptr, 1, nullptr, cs(s), "matvec");
+}
+
+void matvec_experts_glu(const DevMatrix& gate, const DevMatrix& up, const int32_t* ids, const int32_t* slot_of,
+                        int n_slots, const void* acts, const int32_t* act_row, float* y, int64_t ld_y, Stream s) {
+  if (n_slots <= 0) return;
+  if (n_slots > 65535) fail("matvec_experts_glu: too many slots");
+  if (!ids || !act_row) fail("matvec_experts_glu: ids and act_row are required");
+  launch_matvec(gate, acts, 1, y, ld_y, ids, slot_of, n_slots, act_row, cs(s), "matvec_experts_glu", &up);
 }
 
 void matvec_experts(const DevMatrix& w, const int32_t* ids, const int32_t* slot_of, int n_slots, const void* acts,

@@ -46,8 +46,11 @@ void rms_norm(const float* x, const float* w, float* y, int n, int rows, float e
 void add(float* x, const float* y, int64_t n, Stream s);
 // The end of a block for `rows` rows of n values: x += y, or (y null) x += moe_combine(ey, wts, k);
 // then, when xn is given, xn = rms_norm(x) * w. The same bits as add / moe_combine + rms_norm.
+// With ey_host, slot j's row comes from ey_host instead of ey when its expert is host-resident
+// (slot_of[ids[j]] < 0): the CPU's outputs arrive there in one copy.
 void residual_norm(float* x, const float* y, const float* ey, const float* wts, int k, const float* w, float* xn,
-                   int n, int rows, float eps, Stream s);
+                   int n, int rows, float eps, Stream s, const float* ey_host = nullptr, const int32_t* ids = nullptr,
+                   const int32_t* slot_of = nullptr);
 // out = silu(gate) * up
 void swiglu(const float* gate, const float* up, float* out, int64_t n, Stream s);
 // NeoX RoPE in place for tokens at positions pos[t] (device array), as cpu::rope_neox.
@@ -69,6 +72,10 @@ void matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_
 // index arrays are on the device, so the call can be captured in a CUDA graph.
 void matvec_experts(const DevMatrix& w, const int32_t* ids, const int32_t* slot_of, int n_slots, const void* acts,
                     const int32_t* act_row, float* y, int64_t ld_y, Stream s);
+// The same for gate and up experts at once (quantized, one type and shape): y = silu(gate x) * (up x),
+// the very bits of two matvec_experts calls and swiglu.
+void matvec_experts_glu(const DevMatrix& gate, const DevMatrix& up, const int32_t* ids, const int32_t* slot_of,
+                        int n_slots, const void* acts, const int32_t* act_row, float* y, int64_t ld_y, Stream s);
 // dst[dst_rows ? dst_rows[i] : i] = src[src_rows ? src_rows[i] : i] for i < n rows of `width` floats.
 void copy_rows(const float* src, int64_t ld_src, const int32_t* src_rows, float* dst, int64_t ld_dst,
                const int32_t* dst_rows, int n, int width, Stream s);

@@ -142,6 +142,8 @@ class GpuState final : public ModelState {
   size_t acts_bytes = 0, dequant_bytes = 0, attn_scratch_bytes = 0, stage_bytes = 0;
   // Pinned host exchange buffers.
   float *h_x = nullptr, *h_xn = nullptr, *h_wts = nullptr, *h_ey = nullptr, *h_out = nullptr;
+  float* h_ey_slots = nullptr;  // the CPU's expert outputs in slot order (decode), sent up as one copy
+  float* ey_host = nullptr;     // device copy of h_ey_slots
   int32_t *h_ids = nullptr, *h_pos = nullptr, *h_idx = nullptr;
   void* ev_route = nullptr;
   int32_t* offsets = nullptr;               // grouped-expert offsets [n_expert + 1]
@@ -323,6 +325,7 @@ class Qwen3Gpu final : public GpuRunner {
     std::vector<int32_t> rows(static_cast<size_t>(slots)), ident(static_cast<size_t>(slots));
     for (int64_t j = 0; j < slots; ++j) rows[j] = static_cast<int32_t>(j / k), ident[j] = static_cast<int32_t>(j);
     st.act_row = static_cast<int32_t*>(st.dev_bytes(sizeof(int32_t) * slots, "activations"));
+    st.ey_host = st.dev_floats(std::min<int64_t>(slots, static_cast<int64_t>(gpu::kMaxVecTokens) * k) * n, "activations");
     st.ident = static_cast<int32_t*>(st.dev_bytes(sizeof(int32_t) * slots, "activations"));
     gpu::copy_h2d(st.act_row, rows.data(), sizeof(int32_t) * slots, stream_);
     gpu::copy_h2d(st.ident, ident.data(), sizeof(int32_t) * slots, stream_);
@@ -359,6 +362,7 @@ class Qwen3Gpu final : public GpuRunner {
     st.h_wts = st.host<float>(slots);
     st.h_ids = st.host<int32_t>(slots);
     st.h_ey = st.host<float>(static_cast<size_t>(slots) * n);
+    st.h_ey_slots = st.host<float>(static_cast<size_t>(vec_rows) * n);
     st.h_pos = st.host<int32_t>(U);
     st.h_idx = st.host<int32_t>(2 * slots + E + 2);
     // Host-side products (weights the plan left on the host): logits come in slices of 64 rows.
@@ -484,10 +488,15 @@ class Qwen3Gpu final : public GpuRunner {
     }
     if (X.n_dev > 0) {
       const void* acts = vec_acts(st, X.gate.type, st.xn, nt, E);
-      gpu::matvec_experts(X.gate, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.g, ff, stream_);
-      if (dtype_info(X.up.type).act_type != dtype_info(X.gate.type).act_type) acts = vec_acts(st, X.up.type, st.xn, nt, E);
-      gpu::matvec_experts(X.up, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.u, ff, stream_);
-      gpu::swiglu(st.g, st.u, st.g, n_slots * ff, stream_);
+      const bool float_type = X.gate.type == DType::F32 || X.gate.type == DType::F16 || X.gate.type == DType::BF16;
+      if (X.gate.type == X.up.type && !float_type) {
+        gpu::matvec_experts_glu(X.gate, X.up, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.g, ff, stream_);
+      } else {
+        gpu::matvec_experts(X.gate, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.g, ff, stream_);
+        if (dtype_info(X.up.type).act_type != dtype_info(X.gate.type).act_type) acts = vec_acts(st, X.up.type, st.xn, nt, E);
+        gpu::matvec_experts(X.up, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.u, ff, stream_);
+        gpu::swiglu(st.g, st.u, st.g, n_slots * ff, stream_);
+      }
       acts = vec_acts(st, X.down.type, st.g, n_slots, ff);
       gpu::matvec_experts(X.down, st.ids, X.slot_of_dev, n_slots, acts, st.ident, st.ey, E, stream_);
     }
@@ -495,8 +504,9 @@ class Qwen3Gpu final : public GpuRunner {
 
   bool hybrid(int l) const { return layers_[l].moe && layers_[l].experts.n_dev < c_.n_expert; }
 
-  // FFN block, CPU side (hybrid MoE layers): wait for the routing, run the chosen host-resident
-  // experts on the CPU threads, upload their outputs into their slots' rows of st.ey.
+  // FFN block, CPU side (hybrid MoE layers, micro-batches of at most kMaxVecTokens): wait for the
+  // routing, run the chosen host-resident experts on the CPU threads, and send their outputs up in one
+  // copy into st.ey_host (slot order), where ffn_finish reads the host slots' rows.
   void ffn_host(GpuState& st, ThreadPool& pool, int l, int nt) {
     const int E = c_.n_embd, k = c_.n_expert_used, n_slots = nt * k;
     GExperts& X = layers_[l].experts;
@@ -508,17 +518,22 @@ class Qwen3Gpu final : public GpuRunner {
     cpu::expert_ffn(pool, *X.host, st.h_xn, nt, E, tok.data(), exp.data(), static_cast<int>(tok.size()), st.h_ey,
                     st.cpu_scratch);
     for (size_t i = 0; i < slot.size(); ++i)
-      gpu::copy_h2d(st.ey + static_cast<int64_t>(slot[i]) * E, st.h_ey + i * E, sizeof(float) * E, stream_);
+      std::memcpy(st.h_ey_slots + static_cast<size_t>(slot[i]) * E, st.h_ey + i * E, sizeof(float) * E);
+    const int span = slot.back() + 1;  // rows up to the last host slot (the others are not read)
+    gpu::copy_h2d(st.ey_host, st.h_ey_slots, sizeof(float) * span * E, stream_);
   }
 
   // End of the FFN block: add the FFN output (for MoE the experts' outputs combined) to the residual,
   // and norm the result for the next layer's attention (the last layer leaves that to the head).
-  void ffn_finish(GpuState& st, int l, int nt) {
+  // host_rows: the host experts' outputs are in st.ey_host (from ffn_host), not in st.ey.
+  void ffn_finish(GpuState& st, int l, int nt, bool host_rows) {
     const bool last = l + 1 == c_.n_layer;
     const float* next_norm = last ? nullptr : layers_[l + 1].attn_norm;
     float* xn = last ? nullptr : st.xn;
+    const GExperts& X = layers_[l].experts;
     if (layers_[l].moe)
-      gpu::residual_norm(st.x, nullptr, st.ey, st.wts, c_.n_expert_used, next_norm, xn, c_.n_embd, nt, c_.rms_eps, stream_);
+      gpu::residual_norm(st.x, nullptr, st.ey, st.wts, c_.n_expert_used, next_norm, xn, c_.n_embd, nt, c_.rms_eps,
+                         stream_, host_rows ? st.ey_host : nullptr, st.ids, X.slot_of_dev);
     else
       gpu::residual_norm(st.x, st.y, nullptr, nullptr, 0, next_norm, xn, c_.n_embd, nt, c_.rms_eps, stream_);
   }
@@ -597,7 +612,7 @@ class Qwen3Gpu final : public GpuRunner {
         seg.begin();
       }
       if (!seg.recording()) continue;
-      ffn_finish(st, l, 1);
+      ffn_finish(st, l, 1, hybrid(l));
       if (l + 1 < L) {
         attention_block(st, pool, l + 1, 1, pos0);
         ffn_gpu(st, pool, l + 1, 1);
@@ -622,12 +637,12 @@ class Qwen3Gpu final : public GpuRunner {
       attention_block(st, pool, l, nt, pos0);
       if (layers_[l].moe && nt > gpu::kMaxVecTokens) {
         moe_prefill(st, pool, l, nt);
-        ffn_finish(st, l, nt);
+        ffn_finish(st, l, nt, false);
         continue;
       }
       ffn_gpu(st, pool, l, nt);
       if (hybrid(l)) ffn_host(st, pool, l, nt);
-      ffn_finish(st, l, nt);
+      ffn_finish(st, l, nt, hybrid(l));
       if (hybrid(l)) gpu::sync_stream(stream_);  // h_ey is rewritten by the next layer
     }
     for (int r0 = 0; r0 < n_out; r0 += 64) {

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -307,6 +308,49 @@ TEST_F(GpuOps, MatvecExpertsSelectsMatricesAndSkipsHostExperts) {
   }
 }
 
+// Gate and up with SwiGLU in one launch: the bits of two matvec_experts calls and swiglu, host slots
+// left untouched, every quantized type.
+TEST_F(GpuOps, MatvecExpertsGluEqualsGateUpAndSwiglu) {
+  const int64_t cols = 512, rows = 96;
+  const int n_mats = 5, n_tok = 3, k = 4, n_slots = n_tok * k;
+  std::vector<int32_t> ids(n_slots), act_row(n_slots);
+  for (int j = 0; j < n_slots; ++j) ids[j] = (j * 3 + 1) % 6, act_row[j] = j / k;
+  const std::vector<int32_t> slot_of = {0, 1, -1, 2, 3, -1};  // experts 2 and 5 live on the host
+  auto d_ids = upload(ids), d_rows = upload(act_row), d_slot = upload(slot_of);
+  std::vector<float> x = randn(static_cast<size_t>(cols) * n_tok, 401, 0.5f);
+  for (DType t : kWeightTypes) {
+    if (t == DType::F32 || t == DType::F16 || t == DType::BF16) continue;
+    HostMatrix g = random_matrix(t, rows, cols, n_mats, 402), u = random_matrix(t, rows, cols, n_mats, 403);
+    auto dg = upload(g.data), du = upload(u.data);
+    DevMatrix mg = dev_matrix(g, *dg), mu = dev_matrix(u, *du);
+    auto acts = upload(host_acts(dtype_info(t).act_type, x, cols, n_tok));
+    Dev y_fused(static_cast<size_t>(n_slots) * rows * 4), y_g(static_cast<size_t>(n_slots) * rows * 4),
+        y_u(static_cast<size_t>(n_slots) * rows * 4);
+    matvec_experts_glu(mg, mu, d_ids->as<int32_t>(), d_slot->as<int32_t>(), n_slots, acts->bytes(), d_rows->as<int32_t>(),
+                       y_fused.as<float>(), rows, s());
+    matvec_experts(mg, d_ids->as<int32_t>(), d_slot->as<int32_t>(), n_slots, acts->bytes(), d_rows->as<int32_t>(),
+                   y_g.as<float>(), rows, s());
+    matvec_experts(mu, d_ids->as<int32_t>(), d_slot->as<int32_t>(), n_slots, acts->bytes(), d_rows->as<int32_t>(),
+                   y_u.as<float>(), rows, s());
+    swiglu(y_g.as<float>(), y_u.as<float>(), y_g.as<float>(), static_cast<int64_t>(n_slots) * rows, s());
+    sync();
+    auto a = y_fused.down<float>(static_cast<size_t>(n_slots) * rows), b = y_g.down<float>(static_cast<size_t>(n_slots) * rows);
+    for (int j = 0; j < n_slots; ++j)
+      for (int64_t r = 0; r < rows; ++r) {
+        const float got = a[j * rows + r];
+        if (slot_of[ids[j]] < 0) ASSERT_TRUE(is_poison(got)) << dtype_name(t) << ": host slot " << j << " written";
+        else ASSERT_EQ(bits(got), bits(b[j * rows + r])) << dtype_name(t) << " slot " << j << " row " << r;
+      }
+  }
+  HostMatrix f = random_matrix(DType::F16, rows, cols, n_mats, 404);
+  auto df = upload(f.data);
+  DevMatrix mf = dev_matrix(f, *df);
+  Dev y(static_cast<size_t>(n_slots) * rows * 4), a16(static_cast<size_t>(n_tok) * cols * 2);
+  EXPECT_THROW(matvec_experts_glu(mf, mf, d_ids->as<int32_t>(), d_slot->as<int32_t>(), n_slots, a16.bytes(),
+                                  d_rows->as<int32_t>(), y.as<float>(), rows, s()),
+               Error);
+}
+
 TEST_F(GpuOps, MatvecRejectsBadInput) {
   HostMatrix hw = random_matrix(DType::Q4_K, 4, 256, 1, 1);
   Dev dw(hw.data.size());
@@ -543,6 +587,30 @@ TEST_F(GpuOps, ResidualNormEqualsAddCombineAndNorm) {
       }
     }
   EXPECT_THROW(residual_norm(nullptr, nullptr, nullptr, nullptr, 0, nullptr, nullptr, n, 1, 1e-6f, s()), Error);
+
+  // Host experts' rows from a second buffer: slots whose expert maps to -1 read ey_host; their rows in
+  // ey are garbage (poison) and must not be read.
+  std::vector<int32_t> ids(static_cast<size_t>(rows) * k), slot_of(16);
+  for (size_t j = 0; j < ids.size(); ++j) ids[j] = static_cast<int32_t>((j * 7 + 3) % 16);
+  for (int e = 0; e < 16; ++e) slot_of[e] = e % 3 == 0 ? -1 : e;
+  std::vector<float> ey_dev = ey, ey_hostv(ey.size(), 0.0f);
+  for (size_t j = 0; j < ids.size(); ++j)
+    if (slot_of[ids[j]] < 0)
+      for (int i = 0; i < n; ++i) {
+        ey_hostv[j * n + i] = ey[j * n + i];
+        ey_dev[j * n + i] = std::numeric_limits<float>::quiet_NaN();
+      }
+  auto d_ids = upload(ids), d_slot_of = upload(slot_of), d_ey_dev = upload(ey_dev), d_ey_host = upload(ey_hostv);
+  auto dx_split = upload(x), dx_whole = upload(x);
+  Dev xn_split(x.size() * 4), xn_whole(x.size() * 4);
+  residual_norm(dx_split->as<float>(), nullptr, d_ey_dev->as<float>(), dwts->as<float>(), k, dw->as<float>(),
+                xn_split.as<float>(), n, rows, 1e-6f, s(), d_ey_host->as<float>(), d_ids->as<int32_t>(),
+                d_slot_of->as<int32_t>());
+  residual_norm(dx_whole->as<float>(), nullptr, dey->as<float>(), dwts->as<float>(), k, dw->as<float>(),
+                xn_whole.as<float>(), n, rows, 1e-6f, s());
+  sync();
+  auto a1 = xn_split.down<float>(x.size()), a2 = xn_whole.down<float>(x.size());
+  for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(bits(a1[i]), bits(a2[i])) << "host rows, at " << i;
 }
 
 // The fused attention prologue against rms_norm + rope_neox + kv_store on copies: the same bits in q
