@@ -18,12 +18,15 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <mma.h>
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <cmath>
 #include <map>
 #include <mutex>
+#include <type_traits>
 #include <string>
 
 #include "runtime/error.h"
@@ -1730,6 +1733,224 @@ __global__ void __launch_bounds__(kPThreads, 2) attn_prefill_kernel(const AttnAr
   }
 }
 
+
+// ---- prefill attention on tensor cores (f16 cache, sm_70+) ----
+// The same two passes as attn_prefill_kernel (exact row max and sum first, then P normalised and
+// rounded to f16 before P.V, as the reference's non-flash path), with Q.K^T and P.V as wmma
+// 16x16x16 f16 products accumulated in f32: only the order of the dot products' sums differs.
+// A CTA takes 64 query rows of one KV head (4 warps x 16 rows); keys go in tiles of 64.
+constexpr int kTQ = 64, kTK = 64, kTThreads = 128, kTMaxD = 128;
+constexpr int kTLdP = kTK + 8;  // P and V^T tiles: halves per row
+constexpr int kTLdS = kTK + 4;  // score tile: floats per row
+
+struct TcAttnSmem {
+  int ldq;  // Q and K tiles: halves per row (hdp + 8)
+  size_t q, kv, sc, p, stats, total;
+  __host__ __device__ TcAttnSmem(int hdp, int hdv) {
+    ldq = hdp + 8;
+    auto al = [](size_t b) { return (b + 127) / 128 * 128; };
+    q = 0;
+    kv = al(static_cast<size_t>(kTQ) * ldq * 2);
+    const size_t kbytes = static_cast<size_t>(kTK) * ldq * 2, vbytes = static_cast<size_t>(hdv) * kTLdP * 2;
+    sc = kv + al(kbytes > vbytes ? kbytes : vbytes);
+    p = sc + al(static_cast<size_t>(kTQ) * kTLdS * 4);
+    stats = p + al(static_cast<size_t>(kTQ) * kTLdP * 2);
+    total = stats + kTQ * (4 + 4 + 8);
+  }
+};
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 700
+__device__ __forceinline__ void attn_tc_body(const AttnArgs& a) {
+  namespace wmma = nvcuda::wmma;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int hd = a.hd, hdp = a.hdp, hdv = a.hdv;
+  const TcAttnSmem L(hdp, hdv);
+  const int ldq = L.ldq;
+  __half* Qs = reinterpret_cast<__half*>(smem + L.q);
+  __half* Ks = reinterpret_cast<__half*>(smem + L.kv);
+  __half* Vs = Ks;  // V^T tile [d][key] takes the K tile's place in pass 2
+  float* Ss = reinterpret_cast<float*>(smem + L.sc);
+  __half* Ps = reinterpret_cast<__half*>(smem + L.p);
+  float* Mr = reinterpret_cast<float*>(smem + L.stats);
+  float* Ir = Mr + kTQ;
+  double* Lr = reinterpret_cast<double*>(Ir + kTQ);
+
+  const int g = blockIdx.y, r0 = blockIdx.x * kTQ, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int R = a.n_tokens * a.group;
+  const int p0 = attn_pos0(a);
+  const int r_last = min(r0 + kTQ, R) - 1;
+  const int kend = p0 + r_last / a.group + 1;
+  const size_t krow = static_cast<size_t>(a.n_head_kv) * hd;
+  const __half* kbase = reinterpret_cast<const __half*>(a.k) + static_cast<size_t>(g) * hd;
+  const __half* vbase = reinterpret_cast<const __half*>(a.v) + static_cast<size_t>(g) * hdv * a.n_ctx;
+
+  for (int idx = tid; idx < kTQ * hdp; idx += kTThreads) {
+    const int r = idx / hdp, e = idx % hdp, rr = r0 + r;
+    float v = 0.0f;
+    if (rr < R && e < hd) {
+      const int t = rr / a.group, h = g * a.group + rr % a.group;
+      v = a.q[t * a.ld_q + static_cast<int64_t>(h) * hd + e];
+    }
+    Qs[r * ldq + e] = __float2half_rn(v);  // Q rounded to the cache type
+  }
+  if (tid < kTQ) {
+    Mr[tid] = -INFINITY;
+    Lr[tid] = 0.0;
+  }
+  // K tile rows kt0..kt0+63 (zero past kend and past hd), 8 halves per load (hd % 8 == 0).
+  auto load_k = [&](int kt0) {
+    const int vpr = hdp / 8;
+    for (int idx = tid; idx < kTK * vpr; idx += kTThreads) {
+      const int kk = idx / vpr, e = (idx % vpr) * 8, j = kt0 + kk;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (j < kend && e < hd) v = *reinterpret_cast<const uint4*>(kbase + static_cast<size_t>(j) * krow + e);
+      *reinterpret_cast<uint4*>(Ks + kk * ldq + e) = v;
+    }
+  };
+  // This warp's 16 x 64 scores (unscaled) into Ss.
+  auto scores = [&]() {
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kTK / 16];
+#pragma unroll
+    for (int n = 0; n < kTK / 16; ++n) wmma::fill_fragment(acc[n], 0.0f);
+    for (int kk = 0; kk < hdp; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> qa;
+      wmma::load_matrix_sync(qa, Qs + warp * 16 * ldq + kk, ldq);
+#pragma unroll
+      for (int n = 0; n < kTK / 16; ++n) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> kb;
+        wmma::load_matrix_sync(kb, Ks + n * 16 * ldq + kk, ldq);
+        wmma::mma_sync(acc[n], qa, kb, acc[n]);
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < kTK / 16; ++n)
+      wmma::store_matrix_sync(Ss + warp * 16 * kTLdS + n * 16, acc[n], kTLdS, wmma::mem_row_major);
+    __syncwarp();
+  };
+  auto visible = [&](int r, int j) {
+    const int rr = r0 + r;
+    return rr < R && j < kend && j <= p0 + rr / a.group;
+  };
+  __syncthreads();
+
+  // ---- pass 1: row max and sum (each warp its own 16 rows) ----
+  for (int kt0 = 0; kt0 < kend; kt0 += kTK) {
+    __syncthreads();
+    load_k(kt0);
+    __syncthreads();
+    scores();
+    for (int i = 0; i < 16; ++i) {
+      const int r = warp * 16 + i;
+      float sv[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int kk = lane + 32 * h;
+        sv[h] = visible(r, kt0 + kk) ? __fmul_rn(Ss[r * kTLdS + kk], a.scale) : -INFINITY;
+      }
+      const float mold = Mr[r];
+      const float mnew = fmaxf(mold, warp_max(fmaxf(sv[0], sv[1])));
+      if (mnew == -INFINITY) continue;
+      double e = 0.0;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) e += sv[h] == -INFINITY ? 0.0 : static_cast<double>(expf(__fsub_rn(sv[h], mnew)));
+      const double ls = warp_sum(e);
+      if (lane == 0) {
+        Lr[r] = (mold == -INFINITY ? 0.0 : Lr[r] * exp(static_cast<double>(mold) - static_cast<double>(mnew))) + ls;
+        Mr[r] = mnew;
+      }
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+  if (tid < kTQ) Ir[tid] = Lr[tid] > 0.0 ? static_cast<float>(1.0 / Lr[tid]) : 0.0f;
+  __syncthreads();
+
+  // ---- pass 2: P (normalised, rounded to f16) and O = P.V ----
+  const int nv = hdv / 16;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> o[kTMaxD / 16];
+#pragma unroll
+  for (int n = 0; n < kTMaxD / 16; ++n) wmma::fill_fragment(o[n], 0.0f);
+  for (int kt0 = 0; kt0 < kend; kt0 += kTK) {
+    __syncthreads();  // the previous tile's P.V is done with Vs
+    load_k(kt0);
+    __syncthreads();
+    scores();
+    for (int i = 0; i < 16; ++i) {
+      const int r = warp * 16 + i;
+      const float M = Mr[r], inv = Ir[r];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int kk = lane + 32 * h;
+        const float s = __fmul_rn(Ss[r * kTLdS + kk], a.scale);
+        Ps[r * kTLdP + kk] = __float2half_rn(visible(r, kt0 + kk) ? __fmul_rn(expf(__fsub_rn(s, M)), inv) : 0.0f);
+      }
+    }
+    __syncthreads();  // every warp is done with Ks: V^T takes its place
+    for (int idx = tid; idx < hdv * kTK; idx += kTThreads) {
+      const int d = idx / kTK, kk = idx % kTK, j = kt0 + kk;
+      Vs[d * kTLdP + kk] = j < kend ? vbase[static_cast<size_t>(d) * a.n_ctx + j] : __float2half_rn(0.0f);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kb = 0; kb < kTK / 16; ++kb) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> pa;
+      wmma::load_matrix_sync(pa, Ps + warp * 16 * kTLdP + kb * 16, kTLdP);
+#pragma unroll
+      for (int n = 0; n < kTMaxD / 16; ++n) {
+        if (n < nv) {
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> vb;
+          wmma::load_matrix_sync(vb, Vs + n * 16 * kTLdP + kb * 16, kTLdP);
+          wmma::mma_sync(o[n], pa, vb, o[n]);
+        }
+      }
+    }
+  }
+  __syncthreads();
+  // O through shared memory (the Q / K region) to the rows' (token, head) places.
+  float* Os = reinterpret_cast<float*>(smem);
+  const int ldo = hdv + 4;
+#pragma unroll
+  for (int n = 0; n < kTMaxD / 16; ++n)
+    if (n < nv) wmma::store_matrix_sync(Os + warp * 16 * ldo + n * 16, o[n], ldo, wmma::mem_row_major);
+  __syncthreads();
+  for (int idx = tid; idx < kTQ * hdv; idx += kTThreads) {
+    const int r = idx / hdv, d = idx % hdv, rr = r0 + r;
+    if (rr >= R) continue;
+    const int t = rr / a.group, h = g * a.group + rr % a.group;
+    a.out[t * a.ld_out + static_cast<int64_t>(h) * hdv + d] = Os[r * ldo + d];
+  }
+}
+#endif
+
+__global__ void __launch_bounds__(kTThreads) attn_prefill_tc_kernel(const AttnArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  attn_tc_body(a);
+#else
+  __trap();  // the host launches this only where the device runs sm_70+ code (see tc_attention_ok)
+#endif
+}
+
+// The tensor-core kernel runs where the code the device executes was built for sm_70 or later and the
+// heads fit its tiles; else the CUDA-core kernel (Pascal, f32 caches, heads over 128).
+bool tc_attention_ok(const AttnArgs& a) {
+  if (a.hdp > kTMaxD || a.hdv > kTMaxD || a.hdv % 16 != 0 || a.hdp % 16 != 0 || a.hd % 8 != 0) return false;
+  static std::mutex mu;
+  static std::map<int, int> ptx_by_device;
+  int dev = 0;
+  cuda_ok(cudaGetDevice(&dev), "attention");
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = ptx_by_device.find(dev);
+  if (it == ptx_by_device.end()) {
+    cudaFuncAttributes attr{};
+    cuda_ok(cudaFuncGetAttributes(&attr, attn_prefill_tc_kernel), "attention");
+    it = ptx_by_device.emplace(dev, attr.ptxVersion).first;
+  }
+  if (it->second < 70) return false;
+  // The staging of O at the end reuses the Q and K/V regions.
+  const TcAttnSmem L(a.hdp, a.hdv);
+  return static_cast<size_t>(kTQ) * (a.hdv + 4) * 4 <= L.sc;
+}
+
 struct DecodeLayout {
   int keys_max, L_max, n_splits;
   size_t off_m, off_l, off_o, total;
@@ -1780,6 +2001,13 @@ void launch_attention(AttnArgs& a, void* scratch, size_t scratch_bytes, cudaStre
       attn_dec_combine_kernel<<<dim3(a.n_head, a.n_tokens), 128, 0, s>>>(a);
       launched("attention (combine)");
     }
+  } else if (std::is_same_v<T, __half> && !std::getenv("FITMOE_ATTN_CUDA_CORES") && tc_attention_ok(a)) {
+    // (FITMOE_ATTN_CUDA_CORES=1 keeps the CUDA-core kernel, for comparison.)
+    const TcAttnSmem L(a.hdp, a.hdv);
+    need_smem(attn_prefill_tc_kernel, L.total, "attention");
+    const dim3 grid(blocks_for(static_cast<int64_t>(a.n_tokens) * a.group, kTQ), a.n_head_kv);
+    attn_prefill_tc_kernel<<<grid, kTThreads, L.total, s>>>(a);
+    launched("attention (prefill, tensor cores)");
   } else {
     const size_t smem = PrefillSmem::floats_for(a.hdp, a.hdv, nullptr, nullptr) * sizeof(float);
     const dim3 grid(blocks_for(static_cast<int64_t>(a.n_tokens) * a.group, kPTQ), a.n_head_kv);

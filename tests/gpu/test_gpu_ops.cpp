@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -880,10 +881,19 @@ TEST_F(GpuOps, AttentionDecode) {
 }
 
 TEST_F(GpuOps, AttentionPrefill) {
-  uint64_t seed = 800;
-  for (int pos0 : {0, 50})
-    for (int nt : {7, 64, 300}) run_attention_case(s(), [this] { sync(); }, {16, 4, 128, 128, DType::F16, pos0, nt, false}, seed++);
-  run_attention_case(s(), [this] { sync(); }, {8, 8, 64, 64, DType::F16, 10, 33, false}, seed++);   // MHA
+  // f16 caches with heads up to 128 run on tensor cores (sm_70+); FITMOE_ATTN_CUDA_CORES=1 forces the
+  // CUDA-core kernel, which every other case uses anyway. Both must hold.
+  for (bool cuda_cores : {false, true}) {
+    SCOPED_TRACE(cuda_cores ? "CUDA-core kernel" : "default kernel");
+    if (cuda_cores) setenv("FITMOE_ATTN_CUDA_CORES", "1", 1);
+    uint64_t seed = 800;
+    for (int pos0 : {0, 50})
+      for (int nt : {7, 64, 300}) run_attention_case(s(), [this] { sync(); }, {16, 4, 128, 128, DType::F16, pos0, nt, false}, seed++);
+    run_attention_case(s(), [this] { sync(); }, {8, 8, 64, 64, DType::F16, 10, 33, false}, seed++);  // MHA
+    run_attention_case(s(), [this] { sync(); }, {8, 2, 128, 128, DType::F16, 1000, 130, false}, seed++);  // deep cache
+    unsetenv("FITMOE_ATTN_CUDA_CORES");
+  }
+  uint64_t seed = 810;
   run_attention_case(s(), [this] { sync(); }, {16, 4, 128, 128, DType::F32, 20, 40, false}, seed++); // f32 cache
   run_attention_case(s(), [this] { sync(); }, {16, 2, 72, 72, DType::F16, 5, 20, false}, seed++);    // dim 72
   run_attention_case(s(), [this] { sync(); }, {32, 4, 256, 256, DType::F16, 3, 17, false}, seed++);  // dim 256
