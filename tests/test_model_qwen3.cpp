@@ -61,3 +61,24 @@ TEST(Qwen3Reference, F32KvCacheMatchesKvF32Reference) {
 }
 
 }  // namespace
+
+// Loading into memory (the default) must leave every weight the forward pass reads pointing into the
+// loaded copy, not into the file mapping the model was first built on; with --mmap, into the mapping.
+TEST(ModelLoad, WeightsLiveWhereTheDataWasLoaded) {
+  const std::string path = test::testdata("qwen3moe-tiny") + "/qwen3moe-tiny-q8_0.gguf";
+  for (bool mmap : {false, true}) {
+    LoadOptions lo;
+    lo.use_mmap = mmap;
+    lo.plan.use_gpu = false;
+    auto model = Model::load(path, lo);
+    const uint8_t* lo_ptr = model->file().data_begin();
+    const uint8_t* hi_ptr = lo_ptr + model->file().data_bytes();
+    int n = 0;
+    model->visit_weights([&](const Weight& w) {
+      ++n;
+      EXPECT_TRUE(w.host >= lo_ptr && w.host < hi_ptr) << (mmap ? "mmap: " : "in memory: ") << w.info->name;
+      EXPECT_EQ(w.host, w.info->data) << w.info->name;
+    });
+    EXPECT_GT(n, 10);
+  }
+}

@@ -46,7 +46,8 @@ std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
     for (auto& a : supported_architectures()) list += (list.empty() ? "" : ", ") + a;
     throw Error(path + ": unknown or unsupported architecture '" + arch + "' (fitmoe supports: " + list + ")");
   }
-  auto model = it->second(file, opt);  // validates names, shapes and types before any weight is read
+  const ModelFactory& make = it->second;
+  auto model = make(file, opt);  // validates names, shapes and types before any weight is read
 
   // Plan where everything lives (no weight is read for this).
   MachineProfile machine;
@@ -66,15 +67,33 @@ std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
   auto progress = [&](uint64_t d, uint64_t t) {
     if (opt.progress) opt.progress("loading weights into memory", d, t);
   };
+  bool loaded = false;
 #if FITMOE_CUDA
   if (model->plan_.use_gpu) {
     // GPU runs read the weights from page-locked memory: expert uploads during prefill then run at
     // PCIe speed (pageable memory is about 10x slower), and the CPU computes the host-resident experts
     // from the same bytes.
     file->load_into_memory(progress, gpu::alloc_pinned, gpu::free_pinned);
+    loaded = true;
   }
 #endif
-  if (!opt.use_mmap) file->load_into_memory(progress);  // no-op when the GPU path loaded it
+  if (!opt.use_mmap) {
+    file->load_into_memory(progress);  // no-op when the GPU path loaded it
+    loaded = true;
+  }
+  if (loaded) {
+    // The weights were bound to the file mapping when the model was built; build it again (metadata
+    // and tensor lookups only) so that every weight points into the loaded copy, and check that.
+    Plan plan = std::move(model->plan_);
+    model = make(file, opt);
+    model->plan_ = std::move(plan);
+    const uint8_t* lo = file->data_begin();
+    const uint8_t* hi = lo + file->data_bytes();
+    model->visit_weights([&](const Weight& w) {
+      if (w.host < lo || w.host >= hi)
+        throw Error("internal: weight " + (w.info ? w.info->name : std::string("?")) + " is not in the loaded copy");
+    });
+  }
   if (model->plan_.use_gpu && !model->init_gpu(opt)) {
     model->plan_.use_gpu = false;
     model->plan_.notes.push_back(model->cfg_.arch + " has no GPU forward pass yet: running on the CPU");

@@ -108,6 +108,9 @@ class Model {
   void forward(ModelState& state, ThreadPool& pool, std::span<const int32_t> tokens, int n_logits,
                float* logits) const;
 
+  // Calls f on every weight the forward pass reads.
+  virtual void visit_weights(const std::function<void(const Weight&)>& f) const = 0;
+
   // Bytes of weights a decode step reads for one token (routed experts counted as n_expert_used of
   // n_expert), used to state achieved bandwidth.
   virtual double bytes_per_token() const = 0;

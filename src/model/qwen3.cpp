@@ -116,6 +116,15 @@ class Qwen3Model final : public Model {
     return std::make_unique<Qwen3State>(cfg_, opt);
   }
 
+  void visit_weights(const std::function<void(const Weight&)>& f) const override {
+    for (const Weight* w : {&w_.tok_embd, &w_.output_norm, &w_.output})
+      if (*w) f(*w);
+    for (const Qwen3Layer& L : w_.layers)
+      for (const Weight* w : {&L.attn_norm, &L.wq, &L.wk, &L.wv, &L.wo, &L.q_norm, &L.k_norm, &L.ffn_norm, &L.ffn_gate,
+                              &L.ffn_up, &L.ffn_down, &L.router, &L.experts.gate, &L.experts.up, &L.experts.down})
+        if (*w) f(*w);
+  }
+
   double bytes_per_token() const override {
     double b = static_cast<double>(w_.output.matrix_bytes());
     for (auto& L : w_.layers) {
