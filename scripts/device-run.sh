@@ -2,7 +2,7 @@
 # The one script for the GPU machine (device tool): runs the tests there, then the benchmarks, and
 # prints a short table last. Binaries come prebuilt from the dev machine (scripts/device-prepare.sh puts
 # them and the test fixtures into git-ignored folders that the run carries).
-#   scripts/device-run.sh [all|tests|cpu|gpu]
+#   scripts/device-run.sh [all|tests|cpu|gpu|gputests|gpubench]   (SKIP_CONFIGS names GPU configs to skip)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHAT=${1:-all}
@@ -34,7 +34,7 @@ if [ "$WHAT" = all ] || [ "$WHAT" = gpu ] || [ "$WHAT" = gputests ]; then
   summary+=("gpu tests: $(grep -E '^\[  PASSED|^\[  FAILED  \] [0-9]+ test' "$OUT/gpu-tests.log" | tr '\n' ' ')")
 fi
 
-if [ "$WHAT" = all ] || [ "$WHAT" = gpu ]; then
+if [ "$WHAT" = all ] || [ "$WHAT" = gpu ] || [ "$WHAT" = gpubench ]; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
   ARGS=${GPU_BENCH_ARGS:--p 512,2048 -n 128 -r 3}
   # vram-8G picks its micro-batch itself (2048 when experts stay on the host); -ub512 is the

@@ -50,6 +50,7 @@ TEST(Plan, EverythingFitsOnABigCard) {
 
 TEST(Plan, ExpertsSpreadEvenlyWhenTheBudgetIsTight) {
   PlanOptions po;
+  po.n_ubatch = 512;  // a fixed micro-batch, so that the scratch is the same in both plans
   Plan full = plan_for(po);
   // Room for about half of the experts: each layer gets the same number.
   po.vram_budget = full.gpu_weights + full.gpu_kv + full.gpu_scratch + full.reserve + full.gpu_experts / 2;
@@ -60,6 +61,38 @@ TEST(Plan, ExpertsSpreadEvenlyWhenTheBudgetIsTight) {
   EXPECT_LE(std::abs(a - b), 1);
   EXPECT_GT(p.host_expert_bytes_per_token, 0);
   EXPECT_LE(p.gpu_total(), p.budget);
+}
+
+// The automatic micro-batch: 2048 when everything fits with it or experts stay on the host anyway;
+// 512 when only the smaller scratch lets every expert stay on the GPU.
+TEST(Plan, AutomaticMicroBatch) {
+  PlanOptions po;
+  Plan big_card = plan_for(po);
+  EXPECT_EQ(big_card.options.n_ubatch, 2048);
+  EXPECT_EQ(big_card.host_experts, 0u);
+
+  PlanOptions fixed = po;
+  fixed.n_ubatch = 512;
+  Plan at512 = plan_for(fixed);
+  ASSERT_GT(big_card.gpu_scratch, at512.gpu_scratch);
+  // Everything fits with a 512-token scratch, but not with the 2048-token one.
+  po.vram_budget = at512.gpu_weights + at512.gpu_kv + at512.gpu_scratch + at512.reserve + at512.gpu_experts + 4096;
+  Plan edge = plan_for(po);
+  EXPECT_EQ(edge.options.n_ubatch, 512);
+  EXPECT_EQ(edge.host_experts, 0u);
+
+  // Experts on the host whatever the micro-batch (here by --cpu-moe): 2048, each micro-batch streams
+  // them once. (This tiny model's experts weigh less than the scratch difference, so a budget alone
+  // cannot force the case.)
+  PlanOptions host = PlanOptions{};
+  host.cpu_moe = true;
+  Plan streamed = plan_for(host);
+  EXPECT_EQ(streamed.options.n_ubatch, 2048);
+  EXPECT_GT(streamed.host_experts, 0u);
+
+  PlanOptions cpu_only;
+  cpu_only.use_gpu = false;
+  EXPECT_EQ(plan_for(cpu_only).options.n_ubatch, 512);
 }
 
 TEST(Plan, ManualRulesWinOverTheAutomaticPlan) {

@@ -130,18 +130,21 @@ uint64_t gpu_scratch_bytes(const ModelConfig& cfg, int n_ubatch, int n_ctx, uint
 
 Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions& opt_in, const MachineProfile& m) {
   if (opt_in.n_ubatch <= 0) {
-    // Automatic micro-batch: 512; when experts stay on the host, 2048 if it fits, since every prefill
-    // micro-batch uploads the host experts it uses once, so a larger one spreads that PCIe time over
-    // four times the tokens (the reference's best setting too).
+    // Automatic micro-batch on the GPU: 2048 tokens, unless 512 would keep every expert on the GPU and
+    // 2048 would not. Larger micro-batches give each expert's grouped product more tokens (fuller
+    // tensor-core tiles), and with host experts every micro-batch streams them over PCIe once, so a
+    // larger one spreads that over four times the tokens (the reference's best setting too).
     PlanOptions o = opt_in;
     o.n_ubatch = 512;
     Plan small = make_plan(file, cfg, o, m);
-    if (!small.use_gpu || small.host_experts == 0 || o.prefill_host_experts == "cpu") return small;
+    if (!small.use_gpu) return small;
     o.n_ubatch = 2048;
     try {
       Plan big = make_plan(file, cfg, o, m);
-      big.notes.push_back("prefill micro-batch 2048 (automatic): each micro-batch streams the host experts over PCIe "
-                          "once; its scratch costs " + gib(static_cast<double>(big.gpu_scratch) - small.gpu_scratch) +
+      if (big.host_experts > 0 && small.host_experts == 0) return small;
+      big.notes.push_back("prefill micro-batch 2048 (automatic): fuller expert products" +
+                          std::string(big.host_experts ? ", and each micro-batch streams the host experts over PCIe once" : "") +
+                          "; its scratch costs " + gib(static_cast<double>(big.gpu_scratch) - small.gpu_scratch) +
                           " more than a 512-token one (-b sets it)");
       return big;
     } catch (const Error&) {
