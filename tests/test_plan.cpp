@@ -151,3 +151,19 @@ TEST(Plan, ParsesSizesAndOverrides) {
   EXPECT_THROW(parse_overrides({"exps=tpu"}), Error);
   EXPECT_THROW(parse_overrides({"(=cpu"}), Error);
 }
+
+// The cost model follows the engine: host experts cost decode time, and a larger micro-batch spreads
+// the streaming of host experts over more tokens.
+TEST(Plan, CostModelFollowsTheEngine) {
+  PlanOptions all_gpu;
+  all_gpu.n_ubatch = 512;
+  PlanOptions host = all_gpu;
+  host.cpu_moe = true;
+  host.prefill_host_experts = "upload";
+  const Plan a = plan_for(all_gpu), h512 = plan_for(host);
+  host.n_ubatch = 2048;
+  const Plan h2048 = plan_for(host);
+  EXPECT_GT(a.predicted_tg, h512.predicted_tg);
+  EXPECT_GT(h2048.predicted_pp, h512.predicted_pp);
+  EXPECT_GE(a.predicted_pp, h512.predicted_pp);  // equal when the streaming hides behind the products
+}

@@ -10,12 +10,14 @@ namespace fitmoe::cli {
 void register_plan(CLI::App& app) {
   auto* cmd = app.add_subcommand("plan", "show where each tensor would live for a VRAM budget, and the predicted speed");
   auto o = std::make_shared<ModelOptions>();
-  auto host_bw = std::make_shared<double>(0), pcie_bw = std::make_shared<double>(0), gpu_bw = std::make_shared<double>(0);
+  auto host_bw = std::make_shared<double>(0), pcie_bw = std::make_shared<double>(0), gpu_bw = std::make_shared<double>(0),
+       gpu_tflops = std::make_shared<double>(0);
   add_model_options(*cmd, *o);
   cmd->add_option("--host-bw", *host_bw, "host RAM read bandwidth in GB/s (default: measured)");
   cmd->add_option("--pcie-bw", *pcie_bw, "pinned host-to-device bandwidth in GB/s (default: measured)");
   cmd->add_option("--gpu-bw", *gpu_bw, "GPU memory bandwidth in GB/s (default: measured)");
-  cmd->callback([o, host_bw, pcie_bw, gpu_bw] {
+  cmd->add_option("--gpu-tflops", *gpu_tflops, "f16 matrix rate prefill reaches, in TFLOP/s (default: from the device)");
+  cmd->callback([o, host_bw, pcie_bw, gpu_bw, gpu_tflops] {
     LoadOptions lo = load_options(*o);
     lo.plan_only = true;
     lo.use_mmap = true;
@@ -31,6 +33,7 @@ void register_plan(CLI::App& app) {
     if (*host_bw > 0) m.host_mem_bw = *host_bw * 1e9, m.source += ", host bw from flags";
     if (*pcie_bw > 0) m.pcie_bw = *pcie_bw * 1e9, m.source += ", PCIe from flags";
     if (*gpu_bw > 0) m.gpu_mem_bw = *gpu_bw * 1e9, m.source += ", GPU bw from flags";
+    if (*gpu_tflops > 0) m.gpu_flops = *gpu_tflops * 1e12, m.source += ", GPU rate from flags";
     lo.machine = &m;
     auto model = Model::load(o->model_path, lo);
     std::printf("model: %s (%s, %d layers, %d experts x %d active)\n", o->model_path.c_str(), model->config().arch.c_str(),

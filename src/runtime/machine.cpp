@@ -95,7 +95,8 @@ MachineProfile probe_machine(int n_threads, bool use_gpu, bool use_cache) {
 #else
   const bool have_gpu = false;
 #endif
-  const std::string key = cpu_model() + "|" + std::to_string(m.cpu_threads) + "|" + gpu_key;
+  // The version part retires profiles written by builds whose measurement or calibration differed.
+  const std::string key = "v2|" + cpu_model() + "|" + std::to_string(m.cpu_threads) + "|" + gpu_key;
   const std::string path = cache_path();
   nlohmann::json cache = nlohmann::json::object();
   if (use_cache) {

@@ -36,8 +36,6 @@ int tensor_layer(const std::string& name) {
   return -1;
 }
 
-// Expected number of distinct experts a batch of b tokens touches in one layer (k of E each).
-double distinct_experts(double E, double k, double b) { return E * (1.0 - std::pow(1.0 - k / E, b)); }
 
 }  // namespace
 
@@ -342,35 +340,46 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
   for (auto& t : p.tensors)
     if (!t.is_experts && !(t.name == "token_embd.weight" && !tied)) non_expert_tok += static_cast<double>(t.bytes);
 
-  // Cost model. Decode: the GPU part (weights and KV at HBM speed, plus per-layer launch and sync
-  // costs) and the host experts (at host RAM speed) run layer by layer; per layer the CPU experts
-  // overlap the GPU experts.
+  // Cost model, mirroring how the GPU engine runs (src/cuda/qwen3_gpu.cpp) and calibrated on the H200
+  // measurements in docs/performance.md.
+  // Decode, per layer one after the other: the GPU's kernels (about 20 launches of ~5.5 us each, the
+  // weights and KV at device memory speed), then in a hybrid layer the CPU's share of the chosen experts
+  // at host RAM speed plus a synchronisation (the GPU's own experts run meanwhile).
   const double L = cfg.n_layer;
   const double kv_read = static_cast<double>(kv_per_token) * std::min(opt.n_ctx, 1024);  // a typical depth
   if (p.use_gpu) {
-    const double t_gpu = (non_expert_tok + p.gpu_bytes_per_token + kv_read) / m.gpu_mem_bw + L * 25e-6;
-    const double t_host = p.host_expert_bytes_per_token / (0.9 * m.host_mem_bw) + (p.host_expert_bytes_per_token > 0 ? L * 15e-6 : 0);
-    p.predicted_tg = 1.0 / (t_gpu + t_host);
-    // Prefill of one micro-batch: GPU compute, plus per layer the cheaper of uploading the host experts
-    // the batch touches (PCIe) and computing them on the CPU.
-    const double B = opt.n_ubatch;
-    const double flops_tok = 2.0 * (non_expert_tok + (E ? k * p.host_expert_bytes_per_token / std::max(1, k) : 0)) / 0.6;
-    double t = B * 2.0 * (non_expert_tok / 0.6 + (E ? 0 : 0)) / m.gpu_flops;
-    if (E) {
-      double exp_params_tok = 0;  // routed expert parameters per token (~bytes/0.6 at 4.8 bits)
-      for (auto& tpl : p.tensors)
-        if (tpl.is_experts) exp_params_tok += static_cast<double>(tpl.bytes) / E * k / 0.6;
-      t += B * 2.0 * exp_params_tok / m.gpu_flops;
-      const double per_layer_host_expert_bytes = static_cast<double>(p.host_experts) / std::max(1.0, L) / E;
-      const double used = distinct_experts(E, k, B);
-      const double host_frac = static_cast<double>(p.host_experts) / std::max<double>(1, p.host_experts + p.gpu_experts);
-      const double t_upload = used * host_frac * per_layer_host_expert_bytes / m.pcie_bw;
-      const double t_cpu = B * k * host_frac * 2.0 * (per_layer_host_expert_bytes / 0.6) / std::max(1.0, m.cpu_int8_flops);
-      t += L * std::min(t_upload, t_cpu);
-      (void)flops_tok;
+    constexpr double kLayerLaunches = 20 * 5.5e-6, kHybridSync = 15e-6;
+    int hybrid_layers = 0;
+    std::vector<double> host_bytes_of_layer(cfg.n_layer, 0.0), expert_bytes_of_layer(cfg.n_layer, 0.0);
+    std::vector<int> host_experts_of_layer(cfg.n_layer, 0);
+    for (const auto& t : p.tensors) {
+      if (!t.is_experts || t.layer < 0 || t.layer >= cfg.n_layer) continue;
+      const int n_host = static_cast<int>(std::count(t.expert_on_gpu.begin(), t.expert_on_gpu.end(), false));
+      host_experts_of_layer[t.layer] = n_host;
+      host_bytes_of_layer[t.layer] += static_cast<double>(t.bytes) / E * n_host;
+      expert_bytes_of_layer[t.layer] += static_cast<double>(t.bytes) / E;
     }
-    t += L * 60e-6;
-    p.predicted_pp = B / t;
+    for (int l = 0; l < cfg.n_layer; ++l) hybrid_layers += host_experts_of_layer[l] > 0;
+    const double t_gpu = (non_expert_tok + p.gpu_bytes_per_token + kv_read) / m.gpu_mem_bw + L * kLayerLaunches;
+    const double t_host = p.host_expert_bytes_per_token / m.host_mem_bw + hybrid_layers * kHybridSync;
+    p.predicted_tg = 1.0 / (t_gpu + t_host);
+    // Prefill of one micro-batch of B tokens: the GPU's products, and per layer with host experts the
+    // engine's choice between streaming all of them over PCIe (overlapped with the products by the
+    // upload ring) and computing the ones used on the CPU (not overlapped).
+    const double B = opt.n_ubatch;
+    double params_tok = non_expert_tok / 0.6;  // ~bytes / 0.6 at about 4.8 bits per weight
+    for (int l = 0; l < cfg.n_layer; ++l) params_tok += expert_bytes_of_layer[l] * k / 0.6;
+    const double t_compute = B * 2.0 * params_tok / m.gpu_flops + L * 60e-6;
+    double t_stream = 0, t_cpu = 0;
+    for (int l = 0; l < cfg.n_layer; ++l) {
+      if (!host_experts_of_layer[l]) continue;
+      const double up = host_bytes_of_layer[l] / m.pcie_bw;
+      const double slots = B * k * host_experts_of_layer[l] / std::max(1, E);
+      const double cpu = slots * 2.0 * expert_bytes_of_layer[l] / 0.6 / std::max(1.0, m.cpu_int8_flops);
+      const bool stream = opt.prefill_host_experts == "upload" || (opt.prefill_host_experts == "auto" && up <= cpu);
+      (stream ? t_stream : t_cpu) += stream ? up : cpu;
+    }
+    p.predicted_pp = B / (std::max(t_compute, t_stream) + t_cpu);
   } else {
     const double bytes = non_expert_tok + p.host_expert_bytes_per_token;
     p.predicted_tg = 0.9 * m.host_mem_bw / bytes;
@@ -442,13 +451,19 @@ std::string Plan::report() const {
   }
   s << "\nwhy:\n";
   for (auto& n : notes) s << "  - " << n << "\n";
-  char pred[256];
-  std::snprintf(pred, sizeof pred,
-                "\npredicted: prompt %.0f tok/s (micro-batch %d), generation %.1f tok/s\n"
-                "  per generated token: %.3f GB of host-resident experts (bound %.1f tok/s at host RAM speed), %.3f GB read on the GPU\n",
-                predicted_pp, options.n_ubatch, predicted_tg, host_expert_bytes_per_token / 1e9,
-                host_expert_bytes_per_token > 0 ? machine.host_mem_bw / host_expert_bytes_per_token : 0.0,
-                gpu_bytes_per_token / 1e9);
+  char pred[320];
+  if (host_expert_bytes_per_token > 0)
+    std::snprintf(pred, sizeof pred,
+                  "\npredicted: prompt %.0f tok/s (micro-batch %d), generation %.1f tok/s\n"
+                  "  per generated token: %.3f GB of host-resident experts (bound %.1f tok/s at host RAM speed), "
+                  "%.3f GB of experts read on the GPU\n",
+                  predicted_pp, options.n_ubatch, predicted_tg, host_expert_bytes_per_token / 1e9,
+                  machine.host_mem_bw / host_expert_bytes_per_token, gpu_bytes_per_token / 1e9);
+  else
+    std::snprintf(pred, sizeof pred,
+                  "\npredicted: prompt %.0f tok/s (micro-batch %d), generation %.1f tok/s\n"
+                  "  per generated token: %.3f GB of experts, all read on the GPU\n",
+                  predicted_pp, options.n_ubatch, predicted_tg, gpu_bytes_per_token / 1e9);
   s << pred;
   return s.str();
 }
