@@ -2,11 +2,9 @@
 // of any quantized type fitmoe supports -> 32 signed 8-bit codes plus scales (WT<T>::decode), and those
 // -> 32 floats bit-exact with quant::dequantize_row_ref (deq_part<T>).
 //
-// A verbatim copy of the helpers and decoders of src/cuda/gpu_ops.cu (its "device-side helpers" and
-// "weight block decoders" sections), used by src/cuda/moe_gemm.cu. Everything lives in an anonymous
-// namespace inside fitmoe::gpu, exactly as in gpu_ops.cu, so gpu_ops.cu can include this header in
-// place of its own copies (delete those sections there) without any other change.
-// Include only from .cu files (nvcc); needs <cuda_fp16.h>.
+// Used by src/cuda/gpu_ops.cu (mat-vec, dequantization) and src/cuda/moe_gemm.cu (grouped products).
+// Everything lives in an anonymous namespace inside fitmoe::gpu: each .cu file gets its own copy of
+// these inline device functions. Include only from .cu files (nvcc), before opening fitmoe::gpu.
 #pragma once
 #include <cuda_fp16.h>
 
