@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "cuda/gpu_ops.h"
+#include "gpu/gpu_test_util.h"
 #include "quant/dtype.h"
 #include "quant/kernels.h"
 #include "runtime/cpu_ops.h"
@@ -29,119 +30,9 @@
 namespace fitmoe::gpu {
 namespace {
 
-bool has_device() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return n > 0;
-}
+using namespace test;
 
-void ck(cudaError_t e, const char* what) {
-  ASSERT_EQ(e, cudaSuccess) << what << ": " << cudaGetErrorString(e);
-}
-
-constexpr uint8_t kPoison = 0xff;  // NaN as f32 (0xffffffff) and as f16 (0xffff)
-
-// A device buffer, poisoned at creation.
-class Dev {
- public:
-  explicit Dev(size_t n) : n_(std::max<size_t>(n, 1)) {
-    if (cudaMalloc(&p_, n_) != cudaSuccess) throw Error("cudaMalloc failed");
-    poison();
-  }
-  ~Dev() { cudaFree(p_); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  void poison() { cudaMemset(p_, kPoison, n_); }
-  template <class T = void>
-  T* as() const {
-    return static_cast<T*>(p_);
-  }
-  uint8_t* bytes() const { return static_cast<uint8_t*>(p_); }
-  size_t size() const { return n_; }
-  void up(const void* src, size_t n, size_t off = 0) { cudaMemcpy(static_cast<uint8_t*>(p_) + off, src, n, cudaMemcpyHostToDevice); }
-  template <class T>
-  std::vector<T> down(size_t count) const {
-    std::vector<T> v(count);
-    cudaMemcpy(v.data(), p_, count * sizeof(T), cudaMemcpyDeviceToHost);
-    return v;
-  }
-
- private:
-  void* p_ = nullptr;
-  size_t n_;
-};
-
-template <class T>
-std::unique_ptr<Dev> upload(const std::vector<T>& v) {
-  auto d = std::make_unique<Dev>(v.size() * sizeof(T));
-  d->up(v.data(), v.size() * sizeof(T));
-  return d;
-}
-
-// A fresh stream per test (the ops must honour it).
-class GpuOps : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (!has_device()) GTEST_SKIP() << "no CUDA device on this machine";
-    ASSERT_EQ(cudaStreamCreate(&stream_), cudaSuccess);
-  }
-  void TearDown() override {
-    if (stream_) cudaStreamDestroy(stream_);
-  }
-  Stream s() const { return static_cast<Stream>(stream_); }
-  void sync() {
-    ck(cudaStreamSynchronize(stream_), "stream");
-    ck(cudaGetLastError(), "last error");
-  }
-  cudaStream_t stream_ = nullptr;
-};
-
-std::vector<float> randn(size_t n, uint64_t seed, float sd = 1.0f) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.0f, sd);
-  std::vector<float> v(n);
-  for (auto& x : v) x = nd(rng);
-  return v;
-}
-
-uint32_t bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-bool is_poison(float f) { return bits(f) == 0xffffffffu; }
-
-const DType kWeightTypes[] = {DType::F32,  DType::F16,  DType::BF16, DType::Q4_0, DType::Q4_1,
-                              DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q2_K, DType::Q3_K,
-                              DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS};
-
-struct HostMatrix {
-  DType type;
-  int64_t rows, cols, n_mats;
-  size_t rb;
-  std::vector<uint8_t> data;
-  const uint8_t* row(int64_t mat, int64_t r) const { return data.data() + (mat * rows + r) * rb; }
-};
-HostMatrix random_matrix(DType t, int64_t rows, int64_t cols, int64_t n_mats, uint64_t seed) {
-  HostMatrix m{t, rows, cols, n_mats, row_bytes(t, cols), {}};
-  m.data.resize(m.rb * rows * n_mats);
-  quant::fill_random_rows(t, m.data.data(), rows * n_mats, cols, 0.05f, seed);
-  return m;
-}
-DevMatrix dev_matrix(const HostMatrix& h, const Dev& d) {
-  DevMatrix m;
-  m.type = h.type;
-  m.cols = h.cols;
-  m.rows = h.rows;
-  m.n_mats = h.n_mats;
-  m.row_bytes = h.rb;
-  m.mat_bytes = h.rb * h.rows;
-  m.data = d.bytes();
-  return m;
-}
+class GpuOps : public GpuTest {};
 
 // Activation rows in the weight's activation format, converted on the host by the reference.
 std::vector<uint8_t> host_acts(DType act, const std::vector<float>& x, int64_t n, int rows) {

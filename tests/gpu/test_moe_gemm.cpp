@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cuda/gpu_ops.h"
+#include "gpu/gpu_test_util.h"
 #include "quant/dtype.h"
 #include "quant/kernels.h"
 #include "runtime/error.h"
@@ -28,88 +29,9 @@
 namespace fitmoe::gpu {
 namespace {
 
-bool has_device() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return n > 0;
-}
+using namespace test;
 
-constexpr uint8_t kPoison = 0xff;  // NaN as f32 (0xffffffff)
-
-class Dev {
- public:
-  explicit Dev(size_t n) : n_(std::max<size_t>(n, 1)) {
-    if (cudaMalloc(&p_, n_) != cudaSuccess) throw Error("cudaMalloc failed");
-    poison();
-  }
-  ~Dev() { cudaFree(p_); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  void poison() { cudaMemset(p_, kPoison, n_); }
-  template <class T = void>
-  T* as() const {
-    return static_cast<T*>(p_);
-  }
-  uint8_t* bytes() const { return static_cast<uint8_t*>(p_); }
-  void up(const void* src, size_t n) { cudaMemcpy(p_, src, n, cudaMemcpyHostToDevice); }
-  template <class T>
-  std::vector<T> down(size_t count) const {
-    std::vector<T> v(count);
-    cudaMemcpy(v.data(), p_, count * sizeof(T), cudaMemcpyDeviceToHost);
-    return v;
-  }
-
- private:
-  void* p_ = nullptr;
-  size_t n_;
-};
-
-template <class T>
-std::unique_ptr<Dev> upload(const std::vector<T>& v) {
-  auto d = std::make_unique<Dev>(v.size() * sizeof(T));
-  if (!v.empty()) d->up(v.data(), v.size() * sizeof(T));
-  return d;
-}
-
-class MoeGemm : public ::testing::Test {
- public:
-  Stream s() const { return static_cast<Stream>(stream_); }
-  void sync() {
-    ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
-    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
-  }
-
- protected:
-  void SetUp() override {
-    if (!has_device()) GTEST_SKIP() << "no CUDA device on this machine";
-    ASSERT_EQ(cudaStreamCreate(&stream_), cudaSuccess);
-  }
-  void TearDown() override {
-    if (stream_) cudaStreamDestroy(stream_);
-  }
-  cudaStream_t stream_ = nullptr;
-};
-
-std::vector<float> randn(size_t n, uint64_t seed, float sd = 1.0f) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.0f, sd);
-  std::vector<float> v(n);
-  for (auto& x : v) x = nd(rng);
-  return v;
-}
-
-bool is_poison(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u == 0xffffffffu;
-}
-
-const DType kAllTypes[] = {DType::F32,  DType::F16,  DType::BF16, DType::Q4_0, DType::Q4_1,
-                           DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q2_K, DType::Q3_K,
-                           DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS};
+class MoeGemm : public GpuTest {};
 
 // The operands as the GPU multiplies them.
 float round_op(DType t, float v) {
@@ -118,31 +40,8 @@ float round_op(DType t, float v) {
   return f16_to_f32(f32_to_f16(v));
 }
 
-struct HostStack {
-  DType type;
-  int64_t rows, cols, n_mats;
-  size_t rb;
-  std::vector<uint8_t> data;
-};
-HostStack random_stack(DType t, int64_t rows, int64_t cols, int64_t n_mats, uint64_t seed) {
-  HostStack m{t, rows, cols, n_mats, row_bytes(t, cols), {}};
-  m.data.resize(m.rb * rows * n_mats);
-  quant::fill_random_rows(t, m.data.data(), rows * n_mats, cols, 0.05f, seed);
-  return m;
-}
-DevMatrix dev_view(const HostStack& h, const Dev& d) {
-  DevMatrix m;
-  m.type = h.type;
-  m.cols = h.cols;
-  m.rows = h.rows;
-  m.n_mats = h.n_mats;
-  m.row_bytes = h.rb;
-  m.mat_bytes = h.rb * h.rows;
-  m.data = d.bytes();
-  return m;
-}
 // Matrix m decoded and rounded: rows x cols floats.
-std::vector<float> decoded(const HostStack& h, int64_t m) {
+std::vector<float> decoded(const HostMatrix& h, int64_t m) {
   std::vector<float> out(static_cast<size_t>(h.rows * h.cols));
   for (int64_t r = 0; r < h.rows; ++r) {
     float* o = out.data() + r * h.cols;
@@ -192,8 +91,8 @@ void run_problem(MoeGemm* fx, const Problem& p, bool fused, const std::vector<in
   const int n_x = p.gather ? p.n_tokens : n_slots_max;
   const int64_t ld_x = p.cols + p.ld_x_pad, ld_y = p.rows + p.ld_y_pad;
 
-  HostStack g = random_stack(p.type, p.rows, p.cols, p.n_mats, p.seed);
-  HostStack u = fused ? random_stack(p.type, p.rows, p.cols, p.n_mats, p.seed + 77) : HostStack{};
+  HostMatrix g = random_matrix(p.type, p.rows, p.cols, p.n_mats, p.seed);
+  HostMatrix u = fused ? random_matrix(p.type, p.rows, p.cols, p.n_mats, p.seed + 77) : HostMatrix{};
   std::vector<float> x = randn(static_cast<size_t>(ld_x) * n_x, p.seed + 1);
   std::vector<int32_t> rows(static_cast<size_t>(std::max(n_slots_max, 1)), 0);
   std::mt19937 rng(static_cast<uint32_t>(p.seed + 2));
@@ -262,8 +161,8 @@ void run_problem(MoeGemm* fx, const Problem& p, bool fused, const std::vector<in
   auto dslot = upload(p.slot_of);
   auto dyrows = upload(y_rows);
   Dev dy(static_cast<size_t>(ld_y) * n_slots_max * sizeof(float));
-  const DevMatrix mg = dev_view(g, dg);
-  const DevMatrix mu = fused ? dev_view(u, du) : DevMatrix{};
+  const DevMatrix mg = dev_matrix(g, dg);
+  const DevMatrix mu = fused ? dev_matrix(u, du) : DevMatrix{};
   const int32_t* slot_dev = p.slot_of.empty() ? nullptr : dslot->as<int32_t>();
   const int32_t* yrows_dev = p.scatter ? dyrows->as<int32_t>() : nullptr;
 
@@ -326,7 +225,7 @@ Problem mixed_problem(DType t, uint64_t seed) {
 }
 
 TEST_F(MoeGemm, EveryTypeMixedExperts) {
-  for (DType t : kAllTypes) {
+  for (DType t : kWeightTypes) {
     Problem p = mixed_problem(t, 100 + static_cast<uint64_t>(t) * 15);
     run_problem(this, p, false, kTiles);
     if (HasFatalFailure()) return;
@@ -334,7 +233,7 @@ TEST_F(MoeGemm, EveryTypeMixedExperts) {
 }
 
 TEST_F(MoeGemm, SwigluEveryTypeMixedExperts) {
-  for (DType t : kAllTypes) {
+  for (DType t : kWeightTypes) {
     Problem p = mixed_problem(t, 300 + static_cast<uint64_t>(t) * 15);
     run_problem(this, p, true, kTiles);
     if (HasFatalFailure()) return;
@@ -424,10 +323,10 @@ TEST_F(MoeGemm, Qwen3MoeShapes) {
 }
 
 TEST_F(MoeGemm, NothingToDo) {
-  HostStack h = random_stack(DType::Q4_0, 64, 256, 2, 5);
+  HostMatrix h = random_matrix(DType::Q4_0, 64, 256, 2, 5);
   Dev dw(h.data.size());
   dw.up(h.data.data(), h.data.size());
-  const DevMatrix m = dev_view(h, dw);
+  const DevMatrix m = dev_matrix(h, dw);
   // every expert on the host, or no tokens at all: nothing written
   const std::vector<int32_t> offsets = {0, 4, 9}, slot_of = {-1, -1};
   auto doff = upload(offsets);
@@ -443,10 +342,10 @@ TEST_F(MoeGemm, NothingToDo) {
 }
 
 TEST_F(MoeGemm, RejectsBadInput) {
-  HostStack h = random_stack(DType::Q4_K, 64, 256, 2, 6);
+  HostMatrix h = random_matrix(DType::Q4_K, 64, 256, 2, 6);
   Dev dw(h.data.size()), dx(4096), dy(4096), doff(64);
   dw.up(h.data.data(), h.data.size());
-  const DevMatrix m = dev_view(h, dw);
+  const DevMatrix m = dev_matrix(h, dw);
   auto call = [&](const DevMatrix& w) {
     moe_matmul(w, doff.as<int32_t>(), 1, nullptr, dx.as<float>(), w.cols, nullptr, 4, dy.as<float>(), w.rows, s());
   };
@@ -464,9 +363,9 @@ TEST_F(MoeGemm, RejectsBadInput) {
   EXPECT_THROW(
       moe_matmul(m, doff.as<int32_t>(), 1, nullptr, dx.as<float>(), 256, nullptr, 4, dy.as<float>(), 64, s(), nullptr, 32),
       Error);  // no such tile
-  HostStack h6 = random_stack(DType::Q6_K, 64, 256, 2, 7);
+  HostMatrix h6 = random_matrix(DType::Q6_K, 64, 256, 2, 7);
   Dev dw6(h6.data.size());
-  EXPECT_THROW(moe_matmul_swiglu(m, dev_view(h6, dw6), doff.as<int32_t>(), 1, nullptr, dx.as<float>(), 256, nullptr, 4,
+  EXPECT_THROW(moe_matmul_swiglu(m, dev_matrix(h6, dw6), doff.as<int32_t>(), 1, nullptr, dx.as<float>(), 256, nullptr, 4,
                                  dy.as<float>(), 64, s()),
                Error);  // gate and up of different types
 }
@@ -480,19 +379,19 @@ TEST_F(MoeGemm, DISABLED_MoeGemmBench) {
   const int n_expert = 128, k = 8, E = 2048, F = 768;
   // 8 distinct random experts, replicated (quantizing 128 full experts on the CPU is slow)
   auto stack = [&](DType t, int64_t rows, int64_t cols, uint64_t seed) {
-    HostStack h = random_stack(t, rows, cols, 8, seed);
+    HostMatrix h = random_matrix(t, rows, cols, 8, seed);
     const size_t mb = h.rb * rows;
     h.data.resize(mb * n_expert);
     for (int e = 8; e < n_expert; ++e) std::memcpy(h.data.data() + mb * e, h.data.data() + mb * (e % 8), mb);
     h.n_mats = n_expert;
     return h;
   };
-  HostStack hg = stack(DType::Q4_K, F, E, 1), hu = stack(DType::Q4_K, F, E, 2), hd = stack(DType::Q6_K, E, F, 3);
+  HostMatrix hg = stack(DType::Q4_K, F, E, 1), hu = stack(DType::Q4_K, F, E, 2), hd = stack(DType::Q6_K, E, F, 3);
   Dev dg(hg.data.size()), du(hu.data.size()), dd(hd.data.size());
   dg.up(hg.data.data(), hg.data.size());
   du.up(hu.data.data(), hu.data.size());
   dd.up(hd.data.data(), hd.data.size());
-  const DevMatrix mg = dev_view(hg, dg), mu = dev_view(hu, du), md = dev_view(hd, dd);
+  const DevMatrix mg = dev_matrix(hg, dg), mu = dev_matrix(hu, du), md = dev_matrix(hd, dd);
   for (int nt : {512, 2048}) {
     const int n_slots = nt * k;
     // routing: k distinct experts per token, skewed (as real routers are)
