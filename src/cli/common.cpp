@@ -59,10 +59,17 @@ LoadOptions load_options(const ModelOptions& o) {
 std::unique_ptr<Model> load_model(const ModelOptions& o) {
   LoadOptions lo = load_options(o);
   Progress progress("loading " + o.model_path);
-  lo.progress = [&](const std::string&, uint64_t d, uint64_t t) { progress.update(d, t); };
+  lo.progress = [&](const std::string& what, uint64_t d, uint64_t t) {
+    progress.relabel(what);
+    progress.update(d, t);
+  };
   auto m = Model::load(o.model_path, lo);
   progress.finish();
-  if (m->plan().use_gpu || !o.vram.empty()) std::fprintf(stderr, "%s\n", m->plan().summary_line().c_str());
+  if (m->plan().use_gpu || !o.vram.empty()) {
+    std::fprintf(stderr, "%s\n", m->plan().summary_line().c_str());
+    std::fprintf(stderr, "pinned: %s of host memory hold the weights (the CPU computes its experts from them, prefill "
+                 "streams them to the GPU)\n", human_bytes(static_cast<double>(m->file().data_bytes())).c_str());
+  }
   return m;
 }
 
@@ -127,6 +134,15 @@ void Progress::update(uint64_t done, uint64_t total) {
 
 void Progress::finish() {
   if (shown_ && isatty(STDERR_FILENO)) std::fprintf(stderr, "\n");
+}
+
+void Progress::relabel(const std::string& label) {
+  if (label == label_) return;
+  finish();
+  label_ = label;
+  last_permille_ = -1;
+  start_ = -1;
+  shown_ = false;
 }
 
 std::string read_text_file(const std::string& path) {

@@ -46,6 +46,8 @@ class Progress {
   explicit Progress(std::string label) : label_(std::move(label)) {}
   void update(uint64_t done, uint64_t total);
   void finish();
+  // A new phase with its own label (finishes the current bar first).
+  void relabel(const std::string& label);
 
  private:
   std::string label_;

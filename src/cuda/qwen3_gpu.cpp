@@ -257,8 +257,18 @@ class Qwen3Gpu final : public GpuRunner {
           m.n_mats = X.n_dev;
           if (X.n_dev == 0) return m;
           auto* d = static_cast<uint8_t*>(mem_.alloc(m.mat_bytes * X.n_dev, "routed experts"));
-          for (int e = 0; e < E; ++e)
-            if (X.slot_of[e] >= 0) gpu::copy_h2d(d + m.mat_bytes * X.slot_of[e], w3.expert(e).host, m.mat_bytes, stream_);
+          // Runs of consecutive experts in consecutive slots go up as one copy (the plan keeps a
+          // layer's device experts together, so usually one copy per matrix).
+          for (int e = 0; e < E;) {
+            if (X.slot_of[e] < 0) {
+              ++e;
+              continue;
+            }
+            int run = 1;
+            while (e + run < E && X.slot_of[e + run] == X.slot_of[e] + run) ++run;
+            gpu::copy_h2d(d + m.mat_bytes * X.slot_of[e], w3.expert(e).host, m.mat_bytes * run, stream_);
+            e += run;
+          }
           m.data = d;
           tick(m.mat_bytes * X.n_dev);
           return m;

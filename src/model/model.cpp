@@ -65,7 +65,8 @@ std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
   if (opt.plan_only) return model;
 
   auto progress = [&](uint64_t d, uint64_t t) {
-    if (opt.progress) opt.progress("loading weights into memory", d, t);
+    if (opt.progress)
+      opt.progress(model->plan_.use_gpu ? "loading weights into page-locked memory" : "loading weights into memory", d, t);
   };
   bool loaded = false;
 #if FITMOE_CUDA
