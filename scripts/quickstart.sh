@@ -12,4 +12,4 @@ if [ -z "$MODEL" ]; then
   [ -f "$MODEL" ] || build/fitmoe gen-model --arch qwen3moe --preset tiny --type q4_k_m -o "$MODEL"
 fi
 build/fitmoe info -m "$MODEL"
-build/fitmoe run -m "$MODEL" --tokens 1,2,3,4 -n 32
+build/fitmoe run -m "$MODEL" -p "Once upon a time" -n 32
