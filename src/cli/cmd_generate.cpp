@@ -76,6 +76,7 @@ void register_run(CLI::App& app) {
       std::printf("%s", out.flush().c_str());
     }
     std::printf("\n");
+    std::fflush(stdout);  // the text before the speed lines (stderr), also when both go to one pipe
     print_speed(*model, st);
   });
 }
