@@ -73,16 +73,21 @@ inline std::string check_logits(const Model& model, const std::vector<int32_t>& 
     errs.push_back(rel_l2(mine, theirs, n_vocab));
     const bool same = cpu::argmax(mine, n_vocab) == cpu::argmax(theirs, n_vocab);
     top1 += same;
-    if (tol.argmax_margin > 0 && margin(theirs, n_vocab) > tol.argmax_margin)
+    if (tol.argmax_margin > 0 && margin(theirs, n_vocab) > tol.argmax_margin) {
       EXPECT_TRUE(same) << label << ": argmax differs at row " << row0 + r;
+    }
   }
   std::vector<double> sorted = errs;
   std::sort(sorted.begin(), sorted.end());
   const double worst = sorted.back();
   const double p95 = sorted[std::min(sorted.size() - 1, static_cast<size_t>(std::ceil(0.95 * sorted.size())) - 1)];
   EXPECT_LE(worst, tol.max_row) << label << ": worst row rel L2";
-  if (tol.p95_row > 0) EXPECT_LE(p95, tol.p95_row) << label << ": p95 row rel L2";
-  if (tol.min_top1 > 0) EXPECT_GE(static_cast<double>(top1) / rows, tol.min_top1) << label << ": top-1 agreement";
+  if (tol.p95_row > 0) {
+    EXPECT_LE(p95, tol.p95_row) << label << ": p95 row rel L2";
+  }
+  if (tol.min_top1 > 0) {
+    EXPECT_GE(static_cast<double>(top1) / rows, tol.min_top1) << label << ": top-1 agreement";
+  }
   char buf[160];
   std::snprintf(buf, sizeof buf, "%s: rows %d, median %.2e, p95 %.2e, worst %.2e, top1 %d/%d", label.c_str(), rows,
                 sorted[sorted.size() / 2], p95, worst, top1, rows);

@@ -93,7 +93,7 @@ MachineProfile probe_machine(int n_threads, bool use_gpu, bool use_cache) {
   const bool have_gpu = use_gpu && gpu::query_device(&di);
   if (have_gpu) gpu_key = di.name + "/" + std::to_string(di.total_bytes);
 #else
-  const bool have_gpu = false;
+  (void)use_gpu;
 #endif
   // The version part retires profiles written by builds whose measurement or calibration differed.
   const std::string key = "v2|" + cpu_model() + "|" + std::to_string(m.cpu_threads) + "|" + gpu_key;

@@ -61,8 +61,12 @@ TEST_P(GpuReference, LogitsAndGreedyMatch) {
       total += static_cast<int>(t.expert_on_gpu.size());
       on += static_cast<int>(std::count(t.expert_on_gpu.begin(), t.expert_on_gpu.end(), true));
     }
-  if (c.mode == "gpu") EXPECT_EQ(on, total);
-  if (c.mode.rfind("cpu_moe", 0) == 0) EXPECT_EQ(on, 0);
+  if (c.mode == "gpu") {
+    EXPECT_EQ(on, total);
+  }
+  if (c.mode.rfind("cpu_moe", 0) == 0) {
+    EXPECT_EQ(on, 0);
+  }
   if (c.mode.rfind("half_budget", 0) == 0 || c.mode.rfind("n_cpu_moe1", 0) == 0) {
     EXPECT_GT(on, 0);
     EXPECT_LT(on, total);
