@@ -370,16 +370,34 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
     double params_tok = non_expert_tok / 0.6;  // ~bytes / 0.6 at about 4.8 bits per weight
     for (int l = 0; l < cfg.n_layer; ++l) params_tok += expert_bytes_of_layer[l] * k / 0.6;
     const double t_compute = B * 2.0 * params_tok / m.gpu_flops + L * 60e-6;
-    double t_stream = 0, t_cpu = 0;
+    double t_stream = 0, t_cpu = 0, streamed_bytes = 0;
+    int n_stream = 0, n_cpu = 0;
     for (int l = 0; l < cfg.n_layer; ++l) {
       if (!host_experts_of_layer[l]) continue;
       const double up = host_bytes_of_layer[l] / m.pcie_bw;
       const double slots = B * k * host_experts_of_layer[l] / std::max(1, E);
       const double cpu = slots * 2.0 * expert_bytes_of_layer[l] / 0.6 / std::max(1.0, m.cpu_int8_flops);
       const bool stream = opt.prefill_host_experts == "upload" || (opt.prefill_host_experts == "auto" && up <= cpu);
-      (stream ? t_stream : t_cpu) += stream ? up : cpu;
+      if (stream) {
+        t_stream += up;
+        streamed_bytes += host_bytes_of_layer[l];
+        ++n_stream;
+      } else {
+        t_cpu += cpu;
+        ++n_cpu;
+      }
     }
     p.predicted_pp = B / (std::max(t_compute, t_stream) + t_cpu);
+    if (n_stream || n_cpu) {
+      char buf[400];
+      std::snprintf(buf, sizeof buf,
+                    "prefill, per %d-token micro-batch: %d layers stream their host experts to the GPU (%s, %.0f ms "
+                    "over PCIe, overlapped with about %.0f ms of GPU products), %d layers compute theirs on the CPU "
+                    "(%.0f ms); the cost model picks per layer (--prefill-experts overrides)",
+                    opt.n_ubatch, n_stream, gib(streamed_bytes).c_str(), t_stream * 1e3, t_compute * 1e3, n_cpu,
+                    t_cpu * 1e3);
+      p.notes.push_back(buf);
+    }
   } else {
     const double bytes = non_expert_tok + p.host_expert_bytes_per_token;
     p.predicted_tg = 0.9 * m.host_mem_bw / bytes;
