@@ -1,6 +1,7 @@
 // Qwen3 / Qwen3-MoE on the GPU, with hybrid CPU/GPU experts.
 //
-// The forward pass mirrors the CPU one (src/model/qwen3.cpp) op for op, on gpu_ops. What the plan put
+// The forward pass mirrors the CPU one (src/model/qwen3.cpp) op for op, on gpu_ops (a few neighbouring
+// ops run as one fused kernel with the same arithmetic, e.g. residual add + RMSNorm). What the plan put
 // in host memory runs on the CPU: the routed experts of an MoE layer may be split, some on each side.
 // Decode (micro-batches of up to gpu::kMaxVecTokens tokens), per MoE layer:
 //   GPU: router -> top-k -> copies the choices and the normed input to pinned host memory -> runs the
