@@ -18,4 +18,10 @@ TD=${FITMOE_TESTDATA:-../shared/testdata}
 for d in quant-vectors qwen3moe-tiny qwen3-draft; do
   rm -rf "testdata-local/$d" && cp -r "$TD/$d" "testdata-local/$d"
 done
+# The reference's llama-bench for scripts/device-reference.sh (built elsewhere from its public source).
+if [ -n "${FITMOE_REF_BIN:-}" ]; then
+  mkdir -p refbin && rm -f refbin/*
+  strip -o refbin/llama-bench "$FITMOE_REF_BIN" && gzip -f refbin/llama-bench
+  du -sh refbin
+fi
 du -sh devbin testdata-local

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# fitmoe and the reference (llama.cpp's llama-bench) on the same generated model, in one device run, so
+# that issue #4's comparisons stand on figures from one machine and one session.
+#   Here:   FITMOE_REF_BIN=/path/to/llama-bench scripts/device-prepare.sh   (also packs refbin/)
+#   Device: command scripts/device-reference.sh, carry ["devbin", "refbin"]
+# llama-bench must be a CUDA build for the device's GPU (sm_90), statically linked against ggml; it is
+# built from the reference's public source and never committed (refbin/ is git-ignored).
+# Placements compared: all on the GPU; the anchors' 8 GiB case (experts of the first 36 of 48 layers on
+# the host, pinned, q8_0 KV, flash attention) with the reference's default and best micro-batches; and
+# fitmoe at --vram 8G and at the reference's own placement (the same --override-tensor rule).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BIN=/tmp/fitmoe-bin
+mkdir -p "$BIN"
+for f in devbin/*.gz refbin/*.gz; do
+  [ -f "$f" ] || continue
+  gzip -dc "$f" > "$BIN/$(basename "$f" .gz)" && chmod +x "$BIN/$(basename "$f" .gz)"
+done
+export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/usr/local/cuda/lib64
+MODEL=/tmp/fitmoe-q3moe-30b-a3b-q4_k_m.gguf
+OT='blk\.([0-9]|[12][0-9]|3[0-5])\.ffn_(gate|up|down)_exps\.weight=CPU'
+[ -x "$BIN/llama-bench" ] || { echo "no llama-bench in refbin/"; exit 1; }
+[ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 1
+
+echo "== reference, all on the GPU"
+"$BIN/llama-bench" -m "$MODEL" -ngl 99 -fa on -p 512,2048 -n 128 -r 3 2>&1 | grep -E '^\|'
+echo "== reference, 36/48 layers' experts on the host (pinned, q8_0 KV), micro-batch 512 and 2048"
+"$BIN/llama-bench" -m "$MODEL" -ngl 99 -fa on -ot "$OT" -ctk q8_0 -ctv q8_0 -lm none -ub 512,2048 -p 512,2048 -n 128 -r 3 2>&1 | grep -E '^\|'
+
+for cfg in "all on the GPU|" "--vram 8G|--vram 8G" "reference placement|--override-tensor $OT"; do
+  echo "== fitmoe, ${cfg%%|*}"
+  "$BIN/fitmoe" bench -m "$MODEL" ${cfg#*|} -p 512,2048 -n 128 -r 3 2>/dev/null
+done
