@@ -4,9 +4,12 @@
 
 #include <chrono>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <sstream>
 #include <vector>
 
+#include "cuda/kernel_util.h"
 #include "runtime/error.h"
 
 namespace fitmoe::gpu {
@@ -14,6 +17,53 @@ namespace fitmoe::gpu {
 void check(int code, const char* what) {
   if (code != cudaSuccess)
     throw Error(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(static_cast<cudaError_t>(code)));
+}
+
+namespace {
+int current_device(const char* what) {
+  int dev = 0;
+  check(cudaGetDevice(&dev), what);
+  return dev;
+}
+std::mutex g_kernel_mu;
+std::map<std::pair<const void*, int>, int> g_ptx;       // PTX version the kernel was compiled for
+std::map<std::pair<const void*, int>, size_t> g_smem;   // dynamic shared memory opted into
+std::map<int, size_t> g_smem_sm;                        // shared memory per multiprocessor
+}  // namespace
+
+int kernel_ptx_version(const void* kernel, const char* what) {
+  const int dev = current_device(what);
+  std::lock_guard<std::mutex> lock(g_kernel_mu);
+  auto it = g_ptx.find({kernel, dev});
+  if (it != g_ptx.end()) return it->second;
+  cudaFuncAttributes attr{};
+  check(cudaFuncGetAttributes(&attr, kernel), what);
+  return g_ptx[{kernel, dev}] = attr.ptxVersion;
+}
+
+size_t smem_per_sm(const char* what) {
+  const int dev = current_device(what);
+  std::lock_guard<std::mutex> lock(g_kernel_mu);
+  auto it = g_smem_sm.find(dev);
+  if (it != g_smem_sm.end()) return it->second;
+  int v = 0;
+  check(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev), what);
+  return g_smem_sm[dev] = static_cast<size_t>(v);
+}
+
+void need_dynamic_smem(const void* kernel, size_t bytes, const char* what) {
+  if (bytes <= 48 * 1024) return;
+  const int dev = current_device(what);
+  std::lock_guard<std::mutex> lock(g_kernel_mu);
+  size_t& done = g_smem[{kernel, dev}];
+  if (done >= bytes) return;
+  int optin = 0;
+  check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), what);
+  if (bytes > static_cast<size_t>(optin))
+    throw Error(std::string(what) + ": needs " + std::to_string(bytes) + " bytes of shared memory per block, the device allows " +
+                std::to_string(optin));
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)), what);
+  done = bytes;
 }
 
 bool query_device(DeviceInfo* out) {

@@ -24,12 +24,11 @@
 #include <climits>
 #include <cstdlib>
 #include <cmath>
-#include <map>
-#include <mutex>
 #include <type_traits>
 #include <string>
 
 #include "cuda/blocks.cuh"
+#include "cuda/kernel_util.h"
 #include "runtime/error.h"
 
 namespace fitmoe::gpu {
@@ -52,25 +51,10 @@ inline bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t
 
 const char* tname(DType t) { return dtype_name(t); }
 
-// Opt a kernel into more than 48 KiB of dynamic shared memory when it needs it (once per kernel, device
-// and size: later calls, e.g. while a graph is being captured, only look up the cache).
-std::mutex g_smem_mu;
-std::map<std::pair<const void*, int>, size_t> g_smem_set;
+// Opt a kernel into more than 48 KiB of dynamic shared memory when it needs it (cuda/kernel_util.h).
 template <class K>
 void need_smem(K kernel, size_t bytes, const char* what) {
-  if (bytes <= 48 * 1024) return;
-  int dev = 0;
-  cuda_ok(cudaGetDevice(&dev), what);
-  std::lock_guard<std::mutex> lock(g_smem_mu);
-  size_t& done = g_smem_set[{reinterpret_cast<const void*>(kernel), dev}];
-  if (done >= bytes) return;
-  int optin = 0;
-  cuda_ok(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), what);
-  if (bytes > static_cast<size_t>(optin))
-    fail(std::string(what) + ": needs " + std::to_string(bytes) + " bytes of shared memory per block, the device allows " +
-         std::to_string(optin));
-  cuda_ok(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)), what);
-  done = bytes;
+  need_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes, what);
 }
 
 // ================================ device-side helpers =============================================
@@ -464,7 +448,7 @@ void launch_matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y,
   if (up) {
     check_weight(*up, what);
     if (up->type != w.type || up->rows != w.rows || up->cols != w.cols || up->mat_bytes != w.mat_bytes ||
-        up->n_mats != w.n_mats || w.type == DType::F32 || w.type == DType::F16 || w.type == DType::BF16 || !ids || n_tokens != 1)
+        up->n_mats != w.n_mats || is_float_type(w.type) || !ids || n_tokens != 1)
       fail(std::string(what) + ": gate and up must be quantized matrices of one type and shape, in experts mode");
     a.w2 = up->data;
   }
@@ -678,7 +662,6 @@ void launch_dequant(DType t, const uint8_t* base, size_t rb, int64_t n_rows, int
   }
 }
 
-bool is_float_type(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
 
 // ================================ cuBLAS ==========================================================
 
@@ -1609,18 +1592,7 @@ __global__ void __launch_bounds__(kTThreads) attn_prefill_tc_kernel(const AttnAr
 // heads fit its tiles; else the CUDA-core kernel (Pascal, f32 caches, heads over 128).
 bool tc_attention_ok(const AttnArgs& a) {
   if (a.hdp > kTMaxD || a.hdv > kTMaxD || a.hdv % 16 != 0 || a.hdp % 16 != 0 || a.hd % 8 != 0) return false;
-  static std::mutex mu;
-  static std::map<int, int> ptx_by_device;
-  int dev = 0;
-  cuda_ok(cudaGetDevice(&dev), "attention");
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = ptx_by_device.find(dev);
-  if (it == ptx_by_device.end()) {
-    cudaFuncAttributes attr{};
-    cuda_ok(cudaFuncGetAttributes(&attr, attn_prefill_tc_kernel), "attention");
-    it = ptx_by_device.emplace(dev, attr.ptxVersion).first;
-  }
-  if (it->second < 70) return false;
+  if (kernel_ptx_version(reinterpret_cast<const void*>(attn_prefill_tc_kernel), "attention") < 70) return false;
   // The staging of O at the end reuses the Q and K/V regions.
   const TcAttnSmem L(a.hdp, a.hdv);
   return static_cast<size_t>(kTQ) * (a.hdv + 4) * 4 <= L.sc;

@@ -47,12 +47,11 @@
 #include <mma.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
 #include <string>
 #include <type_traits>
 
 #include "cuda/blocks.cuh"
+#include "cuda/kernel_util.h"
 #include "cuda/gpu_ops.h"
 #include "runtime/error.h"
 
@@ -68,56 +67,6 @@ void moe_cuda_ok(cudaError_t e, const char* what) {
 }
 
 bool moe_aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
-
-int current_device(const char* what) {
-  int dev = 0;
-  moe_cuda_ok(cudaGetDevice(&dev), what);
-  return dev;
-}
-
-// Per (kernel, device) facts, looked up once (later calls, e.g. during graph capture, hit the cache).
-std::mutex g_moe_mu;
-std::map<std::pair<const void*, int>, int> g_moe_ptx;     // PTX version the kernel was compiled for
-std::map<std::pair<const void*, int>, size_t> g_moe_smem;  // dynamic shared memory opted into
-std::map<int, int> g_moe_smem_sm;                          // shared memory per multiprocessor
-
-int kernel_ptx_version(const void* kernel, const char* what) {
-  const int dev = current_device(what);
-  std::lock_guard<std::mutex> lock(g_moe_mu);
-  auto it = g_moe_ptx.find({kernel, dev});
-  if (it != g_moe_ptx.end()) return it->second;
-  cudaFuncAttributes attr{};
-  moe_cuda_ok(cudaFuncGetAttributes(&attr, kernel), what);
-  g_moe_ptx[{kernel, dev}] = attr.ptxVersion;
-  return attr.ptxVersion;
-}
-
-size_t smem_per_sm(const char* what) {
-  const int dev = current_device(what);
-  std::lock_guard<std::mutex> lock(g_moe_mu);
-  auto it = g_moe_smem_sm.find(dev);
-  if (it != g_moe_smem_sm.end()) return static_cast<size_t>(it->second);
-  int v = 0;
-  moe_cuda_ok(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev), what);
-  g_moe_smem_sm[dev] = v;
-  return static_cast<size_t>(v);
-}
-
-// Opt a kernel into more than 48 KiB of dynamic shared memory (once per kernel, device and size).
-void moe_need_smem(const void* kernel, size_t bytes, const char* what) {
-  if (bytes <= 48 * 1024) return;
-  const int dev = current_device(what);
-  std::lock_guard<std::mutex> lock(g_moe_mu);
-  size_t& done = g_moe_smem[{kernel, dev}];
-  if (done >= bytes) return;
-  int optin = 0;
-  moe_cuda_ok(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), what);
-  if (bytes > static_cast<size_t>(optin))
-    moe_fail(std::string(what) + ": needs " + std::to_string(bytes) + " bytes of shared memory per block, the device allows " +
-             std::to_string(optin));
-  moe_cuda_ok(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)), what);
-  done = bytes;
-}
 
 // ================================ shared pieces ===================================================
 
@@ -701,7 +650,7 @@ void launch_typed(const MoeArgs& base, int n_slots_max, int tile, cudaStream_t s
     if (kernel_ptx_version(reinterpret_cast<const void*>(k), what) * 10 >= tc_min_arch<T>()) {
       fn = k;
       smem = bn == 128 ? tc_smem_bytes<128>() : tc_smem_bytes<64>();
-      moe_need_smem(reinterpret_cast<const void*>(k), smem, what);
+      need_dynamic_smem(reinterpret_cast<const void*>(k), smem, what);
     }
   }
   if (!fn) {

@@ -499,8 +499,7 @@ class Qwen3Gpu final : public GpuRunner {
     }
     if (X.n_dev > 0) {
       const void* acts = vec_acts(st, X.gate.type, st.xn, nt, E);
-      const bool float_type = X.gate.type == DType::F32 || X.gate.type == DType::F16 || X.gate.type == DType::BF16;
-      if (X.gate.type == X.up.type && !float_type) {
+      if (X.gate.type == X.up.type && !is_float_type(X.gate.type)) {
         gpu::matvec_experts_glu(X.gate, X.up, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.g, ff, stream_);
       } else {
         gpu::matvec_experts(X.gate, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.g, ff, stream_);
@@ -773,19 +772,15 @@ class Qwen3Gpu final : public GpuRunner {
     st.layer_streams.assign(c_.n_layer, 0);
     st.stream_seq.clear();
     st.stream_copied = st.stream_used = 0;
-    const auto& m = plan_.machine;
-    const std::string& mode = plan_.options.prefill_host_experts;
     for (int l = 0; l < c_.n_layer; ++l) {
       const GExperts& X = layers_[l].experts;
       if (!layers_[l].moe || X.chunks.empty()) continue;
-      const int n_host = c_.n_expert - X.n_dev;
       const double per_expert = static_cast<double>(X.host->gate.matrix_bytes() + X.host->up.matrix_bytes() +
                                                     X.host->down.matrix_bytes());
-      const double t_upload = m.pcie_bw > 0 ? n_host * per_expert / m.pcie_bw : 1e9;
-      const double host_slots = static_cast<double>(nt) * c_.n_expert_used * n_host / c_.n_expert;
-      const double t_cpu = m.cpu_int8_flops > 0 ? host_slots * 2.0 * per_expert / 0.6 / m.cpu_int8_flops : 1e9;
-      const bool stream = mode == "upload" || (mode == "auto" && t_upload <= t_cpu);
-      if (!stream) continue;
+      if (!prefill_host_experts_cost(plan_.options, plan_.machine, nt, c_.n_expert_used, c_.n_expert,
+                                     c_.n_expert - X.n_dev, per_expert)
+               .stream)
+        continue;
       st.layer_streams[l] = 1;
       for (size_t ci = 0; ci < X.chunks.size(); ++ci) st.stream_seq.emplace_back(l, static_cast<int>(ci));
     }

@@ -27,6 +27,8 @@ struct DTypeInfo {
 const DTypeInfo* dtype_info(uint32_t id);
 const DTypeInfo& dtype_info(DType t);
 inline const char* dtype_name(DType t) { return dtype_info(t).name; }
+// F32, F16, BF16: plain floats, one value per block.
+inline bool is_float_type(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
 // Parses "q4_k", "Q4_K", "f16", ... ; returns false when unknown.
 bool dtype_from_name(const std::string& name, DType* out);
 

@@ -186,7 +186,7 @@ void fill_random_rows(DType t, void* dst, int64_t nrows, int64_t ncols, float st
   Rng rng(seed ^ 0x6a09e667f3bcc909ull);
   uint8_t* y = static_cast<uint8_t*>(dst);
   const size_t total = static_cast<size_t>(nrows) * row_bytes(t, ncols);
-  if (t == DType::F32 || t == DType::F16 || t == DType::BF16) {
+  if (is_float_type(t)) {
     fill_float(t, y, static_cast<size_t>(nrows * ncols), stddev, rng);
     return;
   }

@@ -93,6 +93,17 @@ const TensorPlacement* Plan::find(const std::string& name) const {
   return nullptr;
 }
 
+HostExpertsCost prefill_host_experts_cost(const PlanOptions& opt, const MachineProfile& m, int n_tokens, int k,
+                                          int n_expert, int n_host, double expert_bytes) {
+  HostExpertsCost c;
+  c.upload_s = m.pcie_bw > 0 ? n_host * expert_bytes / m.pcie_bw : 1e9;
+  const double slots = static_cast<double>(n_tokens) * k * n_host / std::max(1, n_expert);
+  // ~bytes / 0.6 parameters at about 4.8 bits per weight, two FLOPs each
+  c.cpu_s = m.cpu_int8_flops > 0 ? slots * 2.0 * expert_bytes / 0.6 / m.cpu_int8_flops : 1e9;
+  c.stream = opt.prefill_host_experts == "upload" || (opt.prefill_host_experts == "auto" && c.upload_s <= c.cpu_s);
+  return c;
+}
+
 uint64_t gpu_scratch_bytes(const ModelConfig& cfg, int n_ubatch, int n_ctx, uint64_t expert_bytes, int chunk_experts) {
   // Mirrors the GPU engine's allocate_scratch (src/cuda/qwen3_gpu.cpp): each buffer, rounded up to the
   // accountant's 256-byte alignment, then 5% for what the estimate does not see.
@@ -374,16 +385,14 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
     int n_stream = 0, n_cpu = 0;
     for (int l = 0; l < cfg.n_layer; ++l) {
       if (!host_experts_of_layer[l]) continue;
-      const double up = host_bytes_of_layer[l] / m.pcie_bw;
-      const double slots = B * k * host_experts_of_layer[l] / std::max(1, E);
-      const double cpu = slots * 2.0 * expert_bytes_of_layer[l] / 0.6 / std::max(1.0, m.cpu_int8_flops);
-      const bool stream = opt.prefill_host_experts == "upload" || (opt.prefill_host_experts == "auto" && up <= cpu);
-      if (stream) {
-        t_stream += up;
+      const HostExpertsCost c = prefill_host_experts_cost(opt, m, opt.n_ubatch, k, E, host_experts_of_layer[l],
+                                                          expert_bytes_of_layer[l]);
+      if (c.stream) {
+        t_stream += c.upload_s;
         streamed_bytes += host_bytes_of_layer[l];
         ++n_stream;
       } else {
-        t_cpu += cpu;
+        t_cpu += c.cpu_s;
         ++n_cpu;
       }
     }

@@ -92,6 +92,17 @@ struct Plan {
 // PlanOptions::prefill_chunk_experts experts each (src/cuda/qwen3_gpu.cpp); the plan reserves them.
 constexpr int kPrefillStageSlots = 6;
 
+// Prefill, one layer whose routed experts are partly in host memory (n_host of n_expert; expert_bytes:
+// one expert's gate + up + down), micro-batch of n_tokens choosing k experts each: the time to stream all
+// n_host experts over PCIe, the time to compute the ones used on the CPU, and the choice (the options'
+// prefill_host_experts, or the cheaper one for "auto"). The plan predicts with it; the GPU engine decides.
+struct HostExpertsCost {
+  double upload_s = 0, cpu_s = 0;
+  bool stream = false;
+};
+HostExpertsCost prefill_host_experts_cost(const PlanOptions& opt, const MachineProfile& m, int n_tokens, int k,
+                                          int n_expert, int n_host, double expert_bytes);
+
 // GPU scratch of one model state: activations for a micro-batch of n_ubatch tokens, attention
 // partials for a context of n_ctx, and the upload ring (expert_bytes: one expert's gate+up+down).
 uint64_t gpu_scratch_bytes(const ModelConfig& cfg, int n_ubatch, int n_ctx, uint64_t expert_bytes, int chunk_experts);

@@ -699,8 +699,7 @@ void run_attention_case(Stream s, std::function<void()> sync, const AttnCase& c,
   // plus one f16 ulp of the largest term: the GPU's expf and glibc's may differ in the last bit, which
   // can flip the f16 rounding of one probability (never happens for an f32 cache).
   const int group = c.n_head / c.n_head_kv;
-  auto kval = [&](int j, int e) {
-    const uint8_t* p = hk.data() + (static_cast<size_t>(j) * kw + e) * es;
+  auto cached = [&](const uint8_t* p) {  // one element of the cache, as a float
     if (c.cache == DType::F16) {
       uint16_t h;
       std::memcpy(&h, p, 2);
@@ -710,17 +709,8 @@ void run_attention_case(Stream s, std::function<void()> sync, const AttnCase& c,
     std::memcpy(&f, p, 4);
     return f;
   };
-  auto vval = [&](int row, int j) {
-    const uint8_t* p = hv.data() + (static_cast<size_t>(row) * n_ctx + j) * es;
-    if (c.cache == DType::F16) {
-      uint16_t h;
-      std::memcpy(&h, p, 2);
-      return f16_to_f32(h);
-    }
-    float f;
-    std::memcpy(&f, p, 4);
-    return f;
-  };
+  auto kval = [&](int j, int e) { return cached(hk.data() + (static_cast<size_t>(j) * kw + e) * es); };
+  auto vval = [&](int row, int j) { return cached(hv.data() + (static_cast<size_t>(row) * n_ctx + j) * es); };
   int bad = 0;
   std::vector<double> sc(n_keys);
   for (int t = 0; t < c.n_tokens; ++t) {
