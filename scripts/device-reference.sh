@@ -17,6 +17,9 @@ for f in devbin/*.gz refbin/*.gz; do
   gzip -dc "$f" > "$BIN/$(basename "$f" .gz)" && chmod +x "$BIN/$(basename "$f" .gz)"
 done
 export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/usr/local/cuda/lib64
+# The reference's build links NCCL dynamically; the device image has it in its Python packages.
+nccl=$(find / -name 'libnccl.so.2' -not -path '/proc/*' 2>/dev/null | head -n 1)
+[ -n "$nccl" ] && export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$(dirname "$nccl")
 MODEL=/tmp/fitmoe-q3moe-30b-a3b-q4_k_m.gguf
 OT='blk\.([0-9]|[12][0-9]|3[0-5])\.ffn_(gate|up|down)_exps\.weight=CPU'
 [ -x "$BIN/llama-bench" ] || { echo "no llama-bench in refbin/"; exit 1; }

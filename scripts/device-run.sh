@@ -2,7 +2,8 @@
 # The one script for the GPU machine (device tool): runs the tests there, then the benchmarks, and
 # prints a short table last. Binaries come prebuilt from the dev machine (scripts/device-prepare.sh puts
 # them and the test fixtures into git-ignored folders that the run carries).
-#   scripts/device-run.sh [all|tests|cpu|gpu|gputests|gpubench]   (SKIP_CONFIGS names GPU configs to skip)
+#   scripts/device-run.sh [all|tests|cpu|gpu|gputests|gpubench|profile]   (SKIP_CONFIGS names GPU configs to skip)
+# profile: where a decode step's GPU time goes, per op (FITMOE_PROFILE=1), all on the GPU and at 8 GiB.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHAT=${1:-all}
@@ -54,6 +55,14 @@ except Exception as e:
 for r in rows:
     print(f"{sys.argv[2]} {r['test']}: {r['avg_ts']:.2f} +- {r['stddev_ts']:.2f} tok/s  samples {[round(x,1) for x in r['samples_ts']]}  machine {r.get('machine')}")
 PY
+  done
+fi
+
+if [ "$WHAT" = profile ]; then
+  [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
+  for flags in "" "--vram 8G"; do
+    echo "== decode profile ${flags:-all on the GPU}"
+    FITMOE_PROFILE=1 "$BIN/fitmoe" bench -m "$MODEL" $flags -p 0 -n 32 -r 1 2>&1 | grep -v '^load\|^plan' | tail -n 24
   done
 fi
 

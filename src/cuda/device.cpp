@@ -193,6 +193,16 @@ void* create_event() {
   check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
   return e;
 }
+void* create_timing_event() {
+  cudaEvent_t e;
+  check(cudaEventCreate(&e), "cudaEventCreate");
+  return e;
+}
+float elapsed_ms(void* from, void* to) {
+  float ms = 0.0f;
+  check(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(from), static_cast<cudaEvent_t>(to)), "cudaEventElapsedTime");
+  return ms;
+}
 void destroy_event(void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); }
 // External: inside a stream capture the record becomes a graph node that the host can wait for
 // (a plain record would only order work within the graph).

@@ -54,6 +54,8 @@ void check(int code, const char* what);
 void* create_stream();
 void destroy_stream(void* s);
 void* create_event();  // timing disabled, for ordering
+void* create_timing_event();  // for gpu::elapsed_ms (the op profiler)
+float elapsed_ms(void* from, void* to);
 void destroy_event(void* e);
 void record_event(void* e, void* stream);
 void wait_event(void* stream, void* e);      // GPU-side wait

@@ -1740,6 +1740,22 @@ __global__ void moe_combine_kernel(const float* __restrict__ y, const float* __r
 
 // ================================ public API ======================================================
 
+namespace {
+__global__ void busy_wait_kernel(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
+}  // namespace
+
+void busy_wait(int microseconds, Stream s) {
+  int khz = 0, dev = 0;
+  cuda_ok(cudaGetDevice(&dev), "busy_wait");
+  cuda_ok(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev), "busy_wait");
+  busy_wait_kernel<<<1, 1, 0, cs(s)>>>(static_cast<long long>(khz) * microseconds / 1000);
+  launched("busy_wait");
+}
+
 void embed_rows(const DevMatrix& table, const int32_t* ids, int n, float* out, Stream s) {
   if (n <= 0) return;
   check_weight(table, "embed_rows");

@@ -120,6 +120,10 @@ void attention(const float* q, int64_t ld_q, const DevKv& kv, int pos0, const in
                int64_t ld_out, void* scratch, size_t scratch_bytes, Stream s);
 size_t attention_scratch_bytes(int n_tokens, int n_kv_max, int n_head, int head_dim_v);
 
+// Keeps the stream busy for about `microseconds` (the op profiler queues a step's work behind it, so
+// the times between its events are the kernels' own, not the host's launch rate).
+void busy_wait(int microseconds, Stream s);
+
 // ---- routing --------------------------------------------------------------------------------------
 // Per token: softmax over n_expert logits, top-k (larger first, lower index on ties), weights
 // renormalised with the sum clamped at 6.1e-5, as cpu::route_softmax_topk. ids/weights [n_tokens][k].

@@ -17,6 +17,9 @@
 #include <algorithm>
 #include <cmath>
 #include <climits>
+#include <cstdio>
+#include <map>
+#include <string>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
@@ -163,6 +166,66 @@ class GpuState final : public ModelState {
   std::vector<void*> owned, pinned;
 };
 
+// Where a decode step's GPU time goes (FITMOE_PROFILE=1): graphs are off, each profiled step is queued
+// behind a busy-wait so the GPU runs it back to back, and an event after every op gives the op's own
+// time. Printed per op name (mean per step) to stderr when the model is unloaded.
+class OpProfile {
+ public:
+  OpProfile() : on_(std::getenv("FITMOE_PROFILE") != nullptr) {}
+  ~OpProfile() {
+    if (steps_ > 0) report();
+    for (void* e : events_) gpu::destroy_event(e);
+  }
+  bool on() const { return on_; }
+  void begin(void* stream) {
+    if (!on_) return;
+    gpu::busy_wait(30000, stream);  // longer than the host needs to queue a step
+    n_ = 0;
+    names_.clear();
+    active_ = true;
+    mark("", stream);
+  }
+  // The op that just ended on `stream` (the time since the previous mark).
+  void mark(const char* name, void* stream) {
+    if (!active_) return;
+    if (n_ == events_.size()) events_.push_back(gpu::create_timing_event());
+    gpu::record_event(events_[n_++], stream);
+    names_.push_back(name);
+  }
+  void end(void* stream) {
+    if (!active_) return;
+    active_ = false;
+    gpu::sync_stream(stream);
+    for (size_t i = 1; i < n_; ++i) {
+      auto& [ms, calls] = totals_[names_[i]];
+      ms += gpu::elapsed_ms(events_[i - 1], events_[i]);
+      ++calls;
+    }
+    ++steps_;
+  }
+
+ private:
+  void report() const {
+    double total = 0;
+    for (const auto& [name, v] : totals_) total += v.first;
+    std::vector<std::pair<double, std::string>> rows;
+    for (const auto& [name, v] : totals_) rows.emplace_back(v.first, name);
+    std::sort(rows.rbegin(), rows.rend());
+    std::fprintf(stderr, "\nGPU op profile, %d steps of up to %d tokens (FITMOE_PROFILE): %.1f us per step\n", steps_,
+                 gpu::kMaxVecTokens, 1000.0 * total / steps_);
+    std::fprintf(stderr, "  %-34s %10s %8s %7s\n", "op", "us/step", "calls", "share");
+    for (const auto& [ms, name] : rows)
+      std::fprintf(stderr, "  %-34s %10.1f %8.1f %6.1f%%\n", name.c_str(), 1000.0 * ms / steps_,
+                   static_cast<double>(totals_.at(name).second) / steps_, 100.0 * ms / total);
+  }
+  bool on_, active_ = false;
+  std::vector<void*> events_;
+  std::vector<const char*> names_;
+  size_t n_ = 0;
+  int steps_ = 0;
+  std::map<std::string, std::pair<double, int>> totals_;
+};
+
 class Qwen3Gpu final : public GpuRunner {
  public:
   Qwen3Gpu(const Qwen3Weights& w, const ModelConfig& c, const Plan& plan, const LoadOptions& opt)
@@ -300,7 +363,7 @@ class Qwen3Gpu final : public GpuRunner {
     }
     // Decode graphs need every op of a step on the GPU (a host-resident non-expert weight makes its
     // product synchronise with the host); FITMOE_NO_GRAPHS=1 turns them off for comparison.
-    graphs_ok_ = output_.on_gpu() && !std::getenv("FITMOE_NO_GRAPHS");
+    graphs_ok_ = output_.on_gpu() && !std::getenv("FITMOE_NO_GRAPHS") && !prof_.on();
     for (auto& G : layers_)
       for (const GWeight* w : {&G.wq, &G.wk, &G.wv, &G.wo, &G.router, &G.ffn_gate, &G.ffn_up, &G.ffn_down})
         if (w->host && *w->host && !w->on_gpu()) graphs_ok_ = false;
@@ -410,6 +473,7 @@ class Qwen3Gpu final : public GpuRunner {
     const DType act = dtype_info(type).act_type;
     if (act == DType::F32) return x;
     gpu::quantize_acts(act, x, cols, nt, cols, st.acts, stream_);
+    prof_.mark("quantize activations", stream_);
     return st.acts;
   }
 
@@ -458,12 +522,17 @@ class Qwen3Gpu final : public GpuRunner {
     const int E = c.n_embd, hd = c.head_dim, hdv = c.head_dim_v;
     const int qw = c.n_head * hd, kw = c.n_head_kv * hd, vw = c.n_head_kv * hdv, aw = c.n_head * hdv;
     linear_shared(st, pool, {{&G.wq, st.q, qw}, {&G.wk, st.k, kw}, {&G.wv, st.v, vw}}, st.xn, nt);
+    prof_.mark("attn q,k,v", stream_);
     gpu::qk_norm_rope_store(st.q, qw, st.k, kw, st.v, vw, G.q_norm, G.k_norm, st.kv[l], st.pos, nt, c.n_head,
                             c.n_head_kv, hd, hdv, c.n_rot, c.rope_base, c.rope_freq_scale, c.rms_eps, stream_);
+    prof_.mark("q/k norm + rope + kv store", stream_);
     gpu::attention(st.q, qw, st.kv[l], pos0, st.pos, nt, st.n_ctx(), c.n_head, c.n_head_kv, hd, hdv,
                    1.0f / std::sqrt(static_cast<float>(hd)), st.att, aw, st.attn_scratch, st.attn_scratch_bytes, stream_);
+    prof_.mark("attention", stream_);
     linear(st, pool, G.wo, st.att, nt, st.y, E);
+    prof_.mark("attn output", stream_);
     gpu::residual_norm(st.x, st.y, nullptr, nullptr, 0, G.ffn_norm, st.xn, E, nt, c.rms_eps, stream_);
+    prof_.mark("residual + ffn norm", stream_);
   }
 
   // xn = attn_norm of layer 0 (x); later layers get theirs from the previous ffn_finish.
@@ -489,7 +558,9 @@ class Qwen3Gpu final : public GpuRunner {
     const int64_t ff = c.n_ff_exp;
     GExperts& X = G.experts;
     linear(st, pool, G.router, st.xn, nt, st.rlogits, c.n_expert);
+    prof_.mark("router", stream_);
     gpu::route_topk(st.rlogits, nt, c.n_expert, k, st.ids, st.wts, stream_);
+    prof_.mark("top-k", stream_);
     if (X.n_dev < c.n_expert) {
       // The CPU needs the choices and the normed input; copy them out first so it can start while
       // the GPU runs its own experts.
@@ -501,6 +572,7 @@ class Qwen3Gpu final : public GpuRunner {
       const void* acts = vec_acts(st, X.gate.type, st.xn, nt, E);
       if (X.gate.type == X.up.type && !is_float_type(X.gate.type)) {
         gpu::matvec_experts_glu(X.gate, X.up, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.g, ff, stream_);
+        prof_.mark("experts gate+up", stream_);
       } else {
         gpu::matvec_experts(X.gate, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.g, ff, stream_);
         if (dtype_info(X.up.type).act_type != dtype_info(X.gate.type).act_type) acts = vec_acts(st, X.up.type, st.xn, nt, E);
@@ -509,6 +581,7 @@ class Qwen3Gpu final : public GpuRunner {
       }
       acts = vec_acts(st, X.down.type, st.g, n_slots, ff);
       gpu::matvec_experts(X.down, st.ids, X.slot_of_dev, n_slots, acts, st.ident, st.ey, E, stream_);
+      prof_.mark("experts down", stream_);
     }
   }
 
@@ -531,6 +604,7 @@ class Qwen3Gpu final : public GpuRunner {
       std::memcpy(st.h_ey_slots + static_cast<size_t>(slot[i]) * E, st.h_ey + i * E, sizeof(float) * E);
     const int span = slot.back() + 1;  // rows up to the last host slot (the others are not read)
     gpu::copy_h2d(st.ey_host, st.h_ey_slots, sizeof(float) * span * E, stream_);
+    prof_.mark("host experts (GPU waits)", stream_);
   }
 
   // End of the FFN block: add the FFN output (for MoE the experts' outputs combined) to the residual,
@@ -546,6 +620,7 @@ class Qwen3Gpu final : public GpuRunner {
                          stream_, host_rows ? st.ey_host : nullptr, st.ids, X.slot_of_dev);
     else
       gpu::residual_norm(st.x, st.y, nullptr, nullptr, 0, next_norm, xn, c_.n_embd, nt, c_.rms_eps, stream_);
+    prof_.mark("combine + residual + norm", stream_);
   }
 
   // Final norm and output head for the last n_out rows (at most 64) into pinned st.h_out.
@@ -556,6 +631,7 @@ class Qwen3Gpu final : public GpuRunner {
     gpu::rms_norm(last, output_norm_, st.xn, E, nr, c_.rms_eps, E, E, stream_);
     linear(st, pool, output_, st.xn, nr, st.logits, c_.n_vocab);
     gpu::copy_d2h(st.h_out, st.logits, sizeof(float) * nr * c_.n_vocab, stream_);
+    prof_.mark("output head", stream_);
   }
 
   // Inputs of a micro-batch: positions, and the embedding rows (looked up on the host unless the table
@@ -640,8 +716,10 @@ class Qwen3Gpu final : public GpuRunner {
     // Graphs are captured with the output head, so only steps that want logits replay them.
     if (nt == 1 && n_out == 1 && graphs_ok_) return decode_step_graphs(st, pool, tokens[0], pos0, logits);
     prepare_inputs(st, pool, tokens, pos0);
+    if (nt <= gpu::kMaxVecTokens) prof_.begin(stream_);
     upload_inputs(st, nt);
     input_norm(st, nt);
+    prof_.mark("inputs + first norm", stream_);
     if (nt > gpu::kMaxVecTokens) start_expert_stream(st, nt);
     for (int l = 0; l < c_.n_layer; ++l) {
       attention_block(st, pool, l, nt, pos0);
@@ -661,6 +739,7 @@ class Qwen3Gpu final : public GpuRunner {
       std::memcpy(logits + static_cast<size_t>(r0) * c_.n_vocab, st.h_out,
                   sizeof(float) * std::min(64, n_out - r0) * c_.n_vocab);
     }
+    prof_.end(stream_);
     gpu::sync_stream(stream_);
   }
 
@@ -859,6 +938,7 @@ class Qwen3Gpu final : public GpuRunner {
   DevMatrix embed_dev_;
   std::vector<GLayer> layers_;
   bool graphs_ok_ = false;
+  OpProfile prof_;
   const int chunk_experts_;  // host experts per streamed prefill chunk
 };
 
