@@ -66,6 +66,21 @@ if [ "$WHAT" = profile ]; then
   done
 fi
 
+# Kernel durations of one decode step from Nsight Compute (where the runtime lets it read the GPU), for
+# fitmoe and, when refbin/ holds it, the reference: the per-kernel summary (count, mean duration).
+if [ "$WHAT" = ncu ]; then
+  [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
+  NCU="ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel --csv"
+  FITMOE_NO_GRAPHS=1 $NCU "$BIN/fitmoe" bench -m "$MODEL" -p 0 -n 1 -r 1 > "$OUT/ncu-fitmoe.csv" 2> "$OUT/ncu-fitmoe.err"
+  tail -n 3 "$OUT/ncu-fitmoe.err"
+  if [ -f refbin/llama-bench.gz ]; then
+    gzip -dc refbin/llama-bench.gz > "$BIN/llama-bench" && chmod +x "$BIN/llama-bench"
+    $NCU "$BIN/llama-bench" -m "$MODEL" -ngl 99 -fa on -p 0 -n 1 -r 1 > "$OUT/ncu-reference.csv" 2> "$OUT/ncu-reference.err"
+    tail -n 3 "$OUT/ncu-reference.err"
+  fi
+  for f in "$OUT"/ncu-*.csv; do echo "== $f"; wc -l < "$f"; done
+fi
+
 if [ "$WHAT" = all ] || [ "$WHAT" = cpu ]; then
   echo "== gen-model: full Qwen3-30B-A3B shape, Q4_K_M"
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3

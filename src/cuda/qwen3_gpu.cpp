@@ -15,6 +15,7 @@
 // the layers will use them, so the copies of later layers run while earlier layers compute and the
 // PCIe link never waits for the routing.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <climits>
 #include <cstdio>
@@ -179,7 +180,8 @@ class OpProfile {
   bool on() const { return on_; }
   void begin(void* stream) {
     if (!on_) return;
-    gpu::busy_wait(30000, stream);  // longer than the host needs to queue a step
+    gpu::busy_wait(kBusyMs * 1000, stream);  // longer than the host needs to queue a step
+    t_begin_ = std::chrono::steady_clock::now();
     n_ = 0;
     names_.clear();
     active_ = true;
@@ -195,6 +197,7 @@ class OpProfile {
   void end(void* stream) {
     if (!active_) return;
     active_ = false;
+    queue_ms_ = std::max(queue_ms_, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_begin_).count());
     gpu::sync_stream(stream);
     for (size_t i = 1; i < n_; ++i) {
       auto& [ms, calls] = totals_[names_[i]];
@@ -213,12 +216,17 @@ class OpProfile {
     std::sort(rows.rbegin(), rows.rend());
     std::fprintf(stderr, "\nGPU op profile, %d steps of up to %d tokens (FITMOE_PROFILE): %.1f us per step\n", steps_,
                  gpu::kMaxVecTokens, 1000.0 * total / steps_);
+    std::fprintf(stderr, "  (the host queued a step in at most %.1f ms; over %d ms the times include launch gaps)\n", queue_ms_,
+                 kBusyMs);
     std::fprintf(stderr, "  %-34s %10s %8s %7s\n", "op", "us/step", "calls", "share");
     for (const auto& [ms, name] : rows)
       std::fprintf(stderr, "  %-34s %10.1f %8.1f %6.1f%%\n", name.c_str(), 1000.0 * ms / steps_,
                    static_cast<double>(totals_.at(name).second) / steps_, 100.0 * ms / total);
   }
+  static constexpr int kBusyMs = 30;
   bool on_, active_ = false;
+  std::chrono::steady_clock::time_point t_begin_;
+  double queue_ms_ = 0;
   std::vector<void*> events_;
   std::vector<const char*> names_;
   size_t n_ = 0;
