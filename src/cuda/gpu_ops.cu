@@ -362,6 +362,63 @@ __global__ void __launch_bounds__(kMvWarps * 32) mv_float_kernel(const MvArgs a)
   }
 }
 
+// Float weights with few rows (e.g. a router: 128 rows): one CTA per row, its warps splitting the
+// columns, so that the product spreads over enough of the GPU to reach its memory bandwidth.
+template <typename E, int NT, bool VEC>
+__global__ void __launch_bounds__(kMvWarps * 32) mv_float_split_kernel(const MvArgs a) {
+  using F = FloatElem<E>;
+  __shared__ float part[kMvWarps][NT];
+  const uint8_t* wm;
+  const uint8_t* acts;
+  float* y;
+  if (!mv_slot(a, wm, acts, y)) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
+  const int64_t row = blockIdx.x;
+  const int nt = a.n_tokens;
+  const int64_t n = a.cols;
+  const uint8_t* wr = wm + row * a.row_bytes;
+  float acc[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+  int64_t done = 0;
+  if constexpr (VEC) {
+    constexpr int V = F::kVec;
+    const int64_t nv = n / V;
+    for (int64_t i = tid; i < nv; i += kMvWarps * 32) {
+      float wf[V];
+      F::vec(wr, i, wf);
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        if (t < nt) {
+          float af[V];
+          F::vec(acts + t * a.act_stride, i, af);
+#pragma unroll
+          for (int k = 0; k < V; ++k) acc[t] = __fmaf_rn(wf[k], af[k], acc[t]);
+        }
+      }
+    }
+    done = nv * V;
+  }
+  for (int64_t i = done + tid; i < n; i += kMvWarps * 32) {
+    const float wf = F::at(wr, i);
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+      if (t < nt) acc[t] = __fmaf_rn(wf, F::at(acts + t * a.act_stride, i), acc[t]);
+  }
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const float v = warp_sum(acc[t]);
+    if (lane == 0) part[warp][t] = v;
+  }
+  __syncthreads();
+  if (tid < nt) {
+    float v = part[0][tid];
+#pragma unroll
+    for (int w = 1; w < kMvWarps; ++w) v = __fadd_rn(v, part[w][tid]);
+    y[tid * a.ld_y + row] = v;
+  }
+}
+
 template <DType T, int NT>
 void launch_mvq_nt(const MvArgs& a, unsigned n_slots, cudaStream_t s) {
   constexpr int R = NT == 1 ? 1 : 2;
@@ -382,6 +439,14 @@ void launch_mvq(const MvArgs& a, unsigned n_slots, cudaStream_t s) {
 }
 template <typename E, bool VEC>
 void launch_mvf_v(const MvArgs& a, unsigned n_slots, cudaStream_t s) {
+  if (a.rows <= 512) {  // few rows: split the columns (one CTA per row)
+    const dim3 grid(static_cast<unsigned>(a.rows), n_slots);
+    if (a.n_tokens <= 1) mv_float_split_kernel<E, 1, VEC><<<grid, kMvWarps * 32, 0, s>>>(a);
+    else if (a.n_tokens <= 2) mv_float_split_kernel<E, 2, VEC><<<grid, kMvWarps * 32, 0, s>>>(a);
+    else if (a.n_tokens <= 4) mv_float_split_kernel<E, 4, VEC><<<grid, kMvWarps * 32, 0, s>>>(a);
+    else mv_float_split_kernel<E, 8, VEC><<<grid, kMvWarps * 32, 0, s>>>(a);
+    return;
+  }
   const dim3 grid(blocks_for(a.rows, kMvWarps), n_slots);
   if (a.n_tokens <= 1) mv_float_kernel<E, 1, VEC><<<grid, kMvWarps * 32, 0, s>>>(a);
   else if (a.n_tokens <= 2) mv_float_kernel<E, 2, VEC><<<grid, kMvWarps * 32, 0, s>>>(a);
@@ -730,25 +795,36 @@ __global__ void rms_norm_kernel(const float* x, const float* __restrict__ w, flo
 // The end of a block, fused: x += y (or x += the routed experts' combination of ey with wts, as
 // moe_combine_kernel; with ey_host, the rows of slots whose expert is host-resident, slot_of[ids[j]] < 0,
 // come from ey_host), then xn = rms_norm(x) * w when xn is given. One CTA of kNormThreads per row.
+template <int MAXK>
 __global__ void residual_norm_kernel(float* x, const float* __restrict__ y, const float* __restrict__ ey,
                                      const float* __restrict__ wts, int k, const float* __restrict__ ey_host,
                                      const int32_t* __restrict__ ids, const int32_t* __restrict__ slot_of,
                                      const float* __restrict__ w, float* __restrict__ xn, int n, float eps) {
   __shared__ double part[32];
+  __shared__ const float* src[MAXK > 0 ? MAXK : 1];  // the experts' output rows of this token
+  __shared__ float wt[MAXK > 0 ? MAXK : 1];
   const int r = blockIdx.x, tid = threadIdx.x;
   float* xr = x + static_cast<int64_t>(r) * n;
+  if constexpr (MAXK > 0) {
+    // The row of each slot, looked up once (ids -> slot_of -> source) rather than per element.
+    if (tid < k) {
+      const int64_t j = static_cast<int64_t>(r) * k + tid;
+      src[tid] = (ey_host && slot_of[ids[j]] < 0 ? ey_host : ey) + j * n;
+      wt[tid] = wts[j];
+    }
+    __syncthreads();
+  }
   double s = 0;
   for (int i = tid; i < n; i += blockDim.x) {
     float o;
-    if (ey) {
-      const int64_t j0 = static_cast<int64_t>(r) * k;
-      const float* wt = wts + j0;
-      auto row = [&](int j) {
-        const float* src = ey_host && slot_of[ids[j0 + j]] < 0 ? ey_host : ey;
-        return src[(j0 + j) * n + i];
-      };
-      o = __fmul_rn(row(0), wt[0]);
-      for (int j = 1; j < k; ++j) o = __fadd_rn(o, __fmul_rn(row(j), wt[j]));
+    if constexpr (MAXK > 0) {
+      float v[MAXK];
+#pragma unroll
+      for (int j = 0; j < MAXK; ++j) v[j] = j < k ? src[j][i] : 0.0f;  // loads in flight together
+      o = __fmul_rn(v[0], wt[0]);
+#pragma unroll
+      for (int j = 1; j < MAXK; ++j)
+        if (j < k) o = __fadd_rn(o, __fmul_rn(v[j], wt[j]));
     } else {
       o = y[static_cast<int64_t>(r) * n + i];
     }
@@ -985,10 +1061,44 @@ __device__ __forceinline__ void unpack16(const uint4 raw, float (&out)[4]) {
   out[3] = __uint_as_float(raw.w);
 }
 
+// The scores' canonical dot product (the reference's f16/f32 dot: 16 lanes, lane i takes elements
+// i, i+16, ..., with fma, then folded 16 -> 8 -> 4 -> 2 -> 1), split over the four threads of a quad:
+// thread c holds the lanes 2c, 2c+1, 2c+8, 2c+9. load_key_quad fetches the thread's part of key row kr
+// (nm chunks of 16 elements, zeros past hd or for an invalid key); dot_key_quad takes q (already
+// rounded to the cache type, offset by 2c) and returns the full dot product on every thread of the quad.
+template <typename T, int MAXM>
+__device__ __forceinline__ void load_key_quad(const T* kr, int c, int nm, int hd, bool valid, float2 (&kv)[MAXM][2]) {
+#pragma unroll
+  for (int m = 0; m < MAXM; ++m) {
+    const int e0 = 16 * m + 2 * c, e1 = e0 + 8;
+    kv[m][0] = (m < nm && valid && e0 < hd) ? ld_pair<T>(kr + e0) : make_float2(0.0f, 0.0f);
+    kv[m][1] = (m < nm && valid && e1 < hd) ? ld_pair<T>(kr + e1) : make_float2(0.0f, 0.0f);
+  }
+}
+template <int MAXM>
+__device__ __forceinline__ float dot_key_quad(const float2 (&kv)[MAXM][2], const float* qh, int nm) {
+  float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma unroll
+  for (int m = 0; m < MAXM; ++m) {
+    if (m < nm) {
+      const float2 q0 = *reinterpret_cast<const float2*>(qh + 16 * m);
+      const float2 q1 = *reinterpret_cast<const float2*>(qh + 16 * m + 8);
+      a0 = __fmaf_rn(kv[m][0].x, q0.x, a0);
+      a1 = __fmaf_rn(kv[m][0].y, q0.y, a1);
+      a2 = __fmaf_rn(kv[m][1].x, q1.x, a2);
+      a3 = __fmaf_rn(kv[m][1].y, q1.y, a3);
+    }
+  }
+  float u0 = __fadd_rn(a0, a2), u1 = __fadd_rn(a1, a3);  // 16 -> 8
+  u0 = __fadd_rn(u0, __shfl_xor_sync(kFull, u0, 2));      // 8 -> 4
+  u1 = __fadd_rn(u1, __shfl_xor_sync(kFull, u1, 2));
+  u0 = __fadd_rn(u0, __shfl_xor_sync(kFull, u0, 1));      // 4 -> 2
+  u1 = __fadd_rn(u1, __shfl_xor_sync(kFull, u1, 1));
+  return __fadd_rn(u0, u1);                               // 2 -> 1
+}
+
 // Decode pass 1: scores of the group's query heads against the split's keys, in the canonical order
-// of the reference's f16/f32 dot product: 16 lanes (lane i takes elements i, i+16, ...) with fma,
-// then folded 16 -> 8 -> 4 -> 2 -> 1. Four threads share a key; thread c holds the lanes 2c, 2c+1,
-// 2c+8, 2c+9. Then the split's max and sum of exp(s - max) per head.
+// (load_key_quad / dot_key_quad), then the split's max and sum of exp(s - max) per head.
 template <typename T, int MAXM>
 __global__ void __launch_bounds__(kDecThreads) attn_dec_scores_kernel(const AttnArgs a) {
   extern __shared__ float qs[];  // [group][hdp]
@@ -1019,34 +1129,10 @@ __global__ void __launch_bounds__(kDecThreads) attn_dec_scores_kernel(const Attn
   for (int jj = kq; jj < nk32; jj += kDecThreads / 4) {
     const int j = k0 + jj;
     const bool valid = jj < nk;
-    const T* kr = kbase + static_cast<size_t>(valid ? j : k0) * krow;
     float2 kv[MAXM][2];
-#pragma unroll
-    for (int m = 0; m < MAXM; ++m) {
-      const int e0 = 16 * m + 2 * c, e1 = e0 + 8;
-      kv[m][0] = (m < nm && valid && e0 < a.hd) ? ld_pair<T>(kr + e0) : make_float2(0.0f, 0.0f);
-      kv[m][1] = (m < nm && valid && e1 < a.hd) ? ld_pair<T>(kr + e1) : make_float2(0.0f, 0.0f);
-    }
+    load_key_quad<T, MAXM>(kbase + static_cast<size_t>(valid ? j : k0) * krow, c, nm, a.hd, valid, kv);
     for (int h = 0; h < a.group; ++h) {
-      const float* qh = qs + h * a.hdp + 2 * c;
-      float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-#pragma unroll
-      for (int m = 0; m < MAXM; ++m) {
-        if (m < nm) {
-          const float2 q0 = *reinterpret_cast<const float2*>(qh + 16 * m);
-          const float2 q1 = *reinterpret_cast<const float2*>(qh + 16 * m + 8);
-          a0 = __fmaf_rn(kv[m][0].x, q0.x, a0);
-          a1 = __fmaf_rn(kv[m][0].y, q0.y, a1);
-          a2 = __fmaf_rn(kv[m][1].x, q1.x, a2);
-          a3 = __fmaf_rn(kv[m][1].y, q1.y, a3);
-        }
-      }
-      float u0 = __fadd_rn(a0, a2), u1 = __fadd_rn(a1, a3);      // 16 -> 8
-      u0 = __fadd_rn(u0, __shfl_xor_sync(kFull, u0, 2));          // 8 -> 4
-      u1 = __fadd_rn(u1, __shfl_xor_sync(kFull, u1, 2));
-      u0 = __fadd_rn(u0, __shfl_xor_sync(kFull, u0, 1));          // 4 -> 2
-      u1 = __fadd_rn(u1, __shfl_xor_sync(kFull, u1, 1));
-      const float s = __fmul_rn(__fadd_rn(u0, u1), a.scale);      // 2 -> 1, then * scale
+      const float s = __fmul_rn(dot_key_quad<MAXM>(kv, qs + h * a.hdp + 2 * c, nm), a.scale);
       if (valid && c == 0) srow[static_cast<size_t>(h) * a.keys_max + j] = s;
     }
   }
@@ -1174,6 +1260,95 @@ __global__ void attn_dec_combine_kernel(const AttnArgs a) {
     float o = 0.0f;
     for (int i = 0; i < n_act; ++i) o = __fadd_rn(o, src[static_cast<size_t>(i) * a.hdv + d]);
     a.out[t * a.ld_out + static_cast<int64_t>(h) * a.hdv + d] = o;
+  }
+}
+
+
+// Decode with a short cache (at most kShortKeys visible keys): everything in one launch, one CTA per
+// (query head, token), the scores in shared memory. The same arithmetic as the three split-K passes
+// with a single split: canonical scores, max, sum of exp in double, P = cache_type(exp(s - max) / sum),
+// then V^T.P with lanes over the keys.
+constexpr int kShortKeys = 2048;
+constexpr int kShortThreads = 256;
+
+template <typename T, int MAXM>
+__global__ void __launch_bounds__(kShortThreads) attn_dec_short_kernel(const AttnArgs a) {
+  __shared__ float S[kShortKeys];
+  __shared__ __align__(16) float qs[16 * MAXM];
+  __shared__ float red_f[kShortThreads / 32];
+  __shared__ double red_d[kShortThreads / 32];
+  const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = h / a.group;
+  const int nvis = min(attn_pos0(a) + t + 1, a.keys_max);
+  float* out = a.out + t * a.ld_out + static_cast<int64_t>(h) * a.hdv;
+  if (nvis > kShortKeys) {  // the caller chose the wrong variant: say so loudly, never silently
+    for (int d = tid; d < a.hdv; d += blockDim.x) out[d] = __int_as_float(0x7fc00000);
+    return;
+  }
+  for (int e = tid; e < a.hdp; e += blockDim.x)
+    qs[e] = e < a.hd ? round_cache<T>(a.q[t * a.ld_q + static_cast<int64_t>(h) * a.hd + e]) : 0.0f;
+  __syncthreads();
+  // Scores: a quad per key.
+  const int c = tid & 3, kq = tid >> 2, nm = a.hdp / 16;
+  const size_t krow = static_cast<size_t>(a.n_head_kv) * a.hd;
+  const T* kbase = reinterpret_cast<const T*>(a.k) + static_cast<size_t>(g) * a.hd;
+  float mx = -INFINITY;
+  for (int j0 = 0; j0 < nvis; j0 += kShortThreads / 4) {
+    const int j = j0 + kq;
+    const bool valid = j < nvis;
+    float2 kv[MAXM][2];
+    load_key_quad<T, MAXM>(kbase + static_cast<size_t>(valid ? j : 0) * krow, c, nm, a.hd, valid, kv);
+    const float sc = __fmul_rn(dot_key_quad<MAXM>(kv, qs + 2 * c, nm), a.scale);
+    if (valid) {
+      if (c == 0) S[j] = sc;
+      mx = fmaxf(mx, sc);
+    }
+  }
+  mx = warp_max(mx);
+  if (lane == 0) red_f[warp] = mx;
+  __syncthreads();
+  mx = red_f[0];
+  for (int w = 1; w < kShortThreads / 32; ++w) mx = fmaxf(mx, red_f[w]);
+  double l = 0.0;
+  for (int j = tid; j < nvis; j += blockDim.x) l += static_cast<double>(expf(__fsub_rn(S[j], mx)));
+  l = warp_sum(l);
+  if (lane == 0) red_d[warp] = l;
+  __syncthreads();
+  double tot = 0.0;
+  for (int w = 0; w < kShortThreads / 32; ++w) tot += red_d[w];
+  const float inv = static_cast<float>(1.0 / tot);
+  for (int j = tid; j < nvis; j += blockDim.x) S[j] = round_cache<T>(__fmul_rn(expf(__fsub_rn(S[j], mx)), inv));
+  __syncthreads();
+  // V^T.P: a warp per output row (four rows at a time), lanes over 16-byte vectors of keys.
+  constexpr int E = 16 / sizeof(T);
+  const T* vbase = reinterpret_cast<const T*>(a.v) + static_cast<size_t>(g) * a.hdv * a.n_ctx;
+  for (int d0 = warp * 4; d0 < a.hdv; d0 += 4 * (kShortThreads / 32)) {
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int i0 = lane * E; i0 < nvis; i0 += 32 * E) {
+      float pk[E];
+#pragma unroll
+      for (int k = 0; k < E; ++k) pk[k] = i0 + k < nvis ? S[i0 + k] : 0.0f;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int d = d0 + r;
+        if (d >= a.hdv) break;
+        const T* vr = vbase + static_cast<size_t>(d) * a.n_ctx + i0;
+        float vv[E];
+        if (a.v_vec && i0 + E <= nvis) {
+          unpack16(*reinterpret_cast<const uint4*>(vr), vv);
+        } else {
+#pragma unroll
+          for (int k = 0; k < E; ++k) vv[k] = i0 + k < nvis ? from_cache(vr[k]) : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < E; ++k) acc[r] = __fmaf_rn(vv[k], pk[k], acc[r]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float v = warp_sum(acc[r]);
+      if (lane == 0 && d0 + r < a.hdv) out[d0 + r] = v;
+    }
   }
 }
 
@@ -1618,7 +1793,13 @@ DecodeLayout decode_layout(int n_tokens, int keys_max, int n_head, int hdv) {
 
 template <typename T>
 void launch_attention(AttnArgs& a, void* scratch, size_t scratch_bytes, cudaStream_t s) {
-  if (a.n_tokens <= kDecodeMaxTokens) {
+  if (a.n_tokens <= kDecodeMaxTokens && a.pos0 + a.n_tokens <= kShortKeys && a.hdp <= 256) {
+    a.v_vec = aligned(a.v, 16) && (a.n_ctx * sizeof(T)) % 16 == 0;
+    const dim3 grid(a.n_head, a.n_tokens);
+    if (a.hdp <= 128) attn_dec_short_kernel<T, 8><<<grid, kShortThreads, 0, s>>>(a);
+    else attn_dec_short_kernel<T, 16><<<grid, kShortThreads, 0, s>>>(a);
+    launched("attention (decode, short cache)");
+  } else if (a.n_tokens <= kDecodeMaxTokens) {
     const DecodeLayout d = decode_layout(a.n_tokens, a.keys_max, a.n_head, a.hdv);
     if (!scratch || scratch_bytes < d.total)
       fail("attention: scratch of " + std::to_string(scratch_bytes) + " bytes, needs " + std::to_string(d.total));
@@ -1786,7 +1967,11 @@ void residual_norm(float* x, const float* y, const float* ey, const float* wts, 
   if ((y == nullptr) == (ey == nullptr)) fail("residual_norm: give exactly one of y and ey");
   if (ey && (!wts || k <= 0)) fail("residual_norm: the experts' combination needs weights and k > 0");
   if (ey_host && (!ey || !ids || !slot_of)) fail("residual_norm: host rows need ey, ids and slot_of");
-  residual_norm_kernel<<<rows, kNormThreads, 0, cs(s)>>>(x, y, ey, wts, k, ey_host, ids, slot_of, w, xn, n, eps);
+  const cudaStream_t st = cs(s);
+  if (!ey) residual_norm_kernel<0><<<rows, kNormThreads, 0, st>>>(x, y, ey, wts, k, ey_host, ids, slot_of, w, xn, n, eps);
+  else if (k <= 8) residual_norm_kernel<8><<<rows, kNormThreads, 0, st>>>(x, y, ey, wts, k, ey_host, ids, slot_of, w, xn, n, eps);
+  else if (k <= 32) residual_norm_kernel<32><<<rows, kNormThreads, 0, st>>>(x, y, ey, wts, k, ey_host, ids, slot_of, w, xn, n, eps);
+  else fail("residual_norm: at most 32 experts per token");
   launched("residual_norm");
 }
 
@@ -2030,6 +2215,8 @@ void kv_store(const DevKv& kv, const int32_t* pos, int n_tokens, const float* k,
 
 // Enough for any call with up to n_tokens queries: only calls of <= kDecodeMaxTokens use scratch (the
 // split-K decode path), and its size grows with the token count.
+int attention_decode_variant(int n_keys) { return n_keys <= kShortKeys ? 0 : 1; }
+
 size_t attention_scratch_bytes(int n_tokens, int n_kv_max, int n_head, int head_dim_v) {
   if (n_tokens <= 0) return 0;
   return decode_layout(std::min(n_tokens, kDecodeMaxTokens), n_kv_max, n_head, head_dim_v).total;

@@ -119,6 +119,10 @@ void attention(const float* q, int64_t ld_q, const DevKv& kv, int pos0, const in
                int n_kv_max, int n_head, int n_head_kv, int head_dim, int head_dim_v, float scale, float* out,
                int64_t ld_out, void* scratch, size_t scratch_bytes, Stream s);
 size_t attention_scratch_bytes(int n_tokens, int n_kv_max, int n_head, int head_dim_v);
+// Decode attention has two kernels: one launch for up to a few thousand visible keys, split-K beyond.
+// A launch captured in a CUDA graph keeps its variant, so a graph captured when n_keys (pos0 + n_tokens)
+// had one variant must be captured again when it changes.
+int attention_decode_variant(int n_keys);
 
 // Keeps the stream busy for about `microseconds` (the op profiler queues a step's work behind it, so
 // the times between its events are the kernels' own, not the host's launch rate).

@@ -137,6 +137,7 @@ class GpuState final : public ModelState {
   int ub = 0;
   bool buffers_ready = false;
   std::vector<void*> graphs;  // decode CUDA graphs (see Qwen3Gpu::Segments)
+  int graphs_variant = -1;    // gpu::attention_decode_variant the graphs were captured with
   // Device scratch.
   float *x = nullptr, *xn = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *att = nullptr, *y = nullptr;
   float *rlogits = nullptr, *wts = nullptr, *g = nullptr, *u = nullptr, *ey = nullptr, *logits = nullptr;
@@ -691,6 +692,14 @@ class Qwen3Gpu final : public GpuRunner {
   void decode_step_graphs(GpuState& st, ThreadPool& pool, int32_t token, int pos0, float* logits) {
     const int L = c_.n_layer;
     prepare_inputs(st, pool, std::span<const int32_t>(&token, 1), pos0);
+    // The attention kernel a graph holds depends on the cache length: capture again when it changes.
+    const int variant = gpu::attention_decode_variant(pos0 + 1);
+    if (variant != st.graphs_variant) {
+      for (void* g : st.graphs)
+        if (g) gpu::destroy_graph(g);
+      st.graphs.clear();
+      st.graphs_variant = variant;
+    }
     Segments seg(st.graphs, stream_);
     seg.begin();
     if (seg.recording()) {

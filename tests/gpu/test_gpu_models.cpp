@@ -4,10 +4,16 @@
 // with one expert per chunk so that the upload ring wraps, and on the CPU). Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+
 #include "cuda/device.h"
+#include "cuda/gpu_ops.h"
 #include "reference_check.h"
 #include "runtime/error.h"
 #include "runtime/machine.h"
+#include "runtime/session.h"
 
 using namespace fitmoe;
 
@@ -102,6 +108,47 @@ INSTANTIATE_TEST_SUITE_P(Files, GpuReference, ::testing::ValuesIn(cases()), [](c
     if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
   return n;
 });
+
+// Decode graphs hold the attention kernel chosen for the cache length at capture; past the short-cache
+// kernel's limit (gpu::attention_decode_variant) they must be captured again. Greedy decoding across
+// that point with graphs gives the same logits, bit for bit, as without graphs (the same kernels,
+// launched one by one): a stale graph would write NaNs.
+TEST(GpuDecode, GraphsFollowTheCacheLength) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  const std::string dir = test::testdata("qwen3moe-tiny");
+  const std::string path = dir + "/qwen3moe-tiny-q8_0.gguf";
+  int boundary = 1;
+  while (gpu::attention_decode_variant(boundary + 1) == gpu::attention_decode_variant(1)) ++boundary;
+  auto run = [&](bool graphs) {
+    if (!graphs) setenv("FITMOE_NO_GRAPHS", "1", 1);
+    LoadOptions lo;
+    lo.plan.n_ctx = boundary + 64;
+    auto model = Model::load(path, lo);
+    unsetenv("FITMOE_NO_GRAPHS");
+    EXPECT_TRUE(model->on_gpu());
+    SessionOptions so;
+    so.n_threads = 2;
+    so.n_ctx = boundary + 64;
+    Session s(*model, so);
+    const int n_vocab = model->config().n_vocab;
+    std::vector<int32_t> prompt(boundary - 8);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((i * 7919) % n_vocab);
+    std::vector<float> all = s.eval(prompt, 1);
+    for (int i = 0; i < 16; ++i) {  // crosses the boundary half way
+      const int32_t next = static_cast<int32_t>(std::max_element(all.end() - n_vocab, all.end()) - (all.end() - n_vocab));
+      const std::vector<int32_t> one{next};
+      std::vector<float> l = s.eval(one, 1);
+      all.insert(all.end(), l.begin(), l.end());
+    }
+    return all;
+  };
+  const std::vector<float> with = run(true), without = run(false);
+  ASSERT_EQ(with.size(), without.size());
+  for (size_t i = 0; i < with.size(); ++i) {
+    ASSERT_FALSE(std::isnan(with[i])) << "NaN logit " << i << " (graphs)";
+    ASSERT_EQ(with[i], without[i]) << "logit " << i;
+  }
+}
 
 TEST(GpuPlan, BudgetTooSmallIsAClearErrorBeforeLoading) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";

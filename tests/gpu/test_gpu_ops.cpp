@@ -144,6 +144,7 @@ TEST_F(GpuOps, MatvecEveryTypeMatchesVecDotRef) {
     std::vector<MvShape> shapes = {{256, 3, {1, 8}}, {2304, 37, {1, 2, 3}}, {4096, 67, {1, 2, 3, 4, 5, 6, 7, 8}}};
     if (bs <= 32) shapes.push_back({160, 129, {1, 4}});           // a partial warp of blocks, odd rows
     if (bs == 1) shapes.push_back({100, 9, {1, 3}});              // float types: the unaligned tail path
+    if (bs == 1) shapes.push_back({256, 600, {1, 3}});            // float types, many rows: a warp per row
     uint64_t seed = 17 + static_cast<uint64_t>(t) * 1000;
     for (const auto& sh : shapes)
       for (int nt : sh.tokens) run_matvec_case(s(), t, sh.n, sh.rows, nt, seed++, [this] { sync(); });
