@@ -577,15 +577,9 @@ __global__ void quant_q8_kernel(const float* __restrict__ x, int64_t n, int rows
   for (int i = 0; i < kHead + 16; ++i) out[i] = w[i];
 }
 
-// Q8_K: one warp per 256-value block, 8 consecutive values per lane.
-__global__ void quant_q8k_kernel(const float* __restrict__ x, int64_t n, int rows, int64_t ld_x, uint8_t* __restrict__ dst,
-                                 size_t stride) {
-  const int64_t nb = n / 256;
-  const int64_t gb = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
-  if (gb >= nb * rows) return;
-  const int lane = threadIdx.x & 31;
-  const int64_t r = gb / nb, b = gb % nb;
-  const float* xb = x + r * ld_x + b * 256 + 8 * lane;
+// Q8_K: one warp per 256-value block xb, 8 consecutive values per lane, into the 292-byte block blk.
+__device__ __forceinline__ void quantize_q8k_block(const float* xb, uint8_t* blk, int lane) {
+  xb += 8 * lane;
   float v[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) v[j] = xb[j];
@@ -612,7 +606,6 @@ __global__ void quant_q8k_kernel(const float* __restrict__ x, int64_t n, int row
       idx = oi;
     }
   }
-  uint8_t* blk = dst + r * stride + b * 292;
   uint32_t packed[2] = {0, 0};
   int s = 0;
   float d = 0.0f;
@@ -631,6 +624,16 @@ __global__ void quant_q8k_kernel(const float* __restrict__ x, int64_t n, int row
   const int bs = s + __shfl_xor_sync(kFull, s, 1);
   if ((lane & 1) == 0) reinterpret_cast<int16_t*>(blk + 260)[lane / 2] = static_cast<int16_t>(bs);
   if (lane == 0) *reinterpret_cast<float*>(blk) = d;
+}
+
+
+__global__ void quant_q8k_kernel(const float* __restrict__ x, int64_t n, int rows, int64_t ld_x, uint8_t* __restrict__ dst,
+                                 size_t stride) {
+  const int64_t nb = n / 256;
+  const int64_t gb = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  if (gb >= nb * rows) return;
+  const int64_t r = gb / nb, b = gb % nb;
+  quantize_q8k_block(x + r * ld_x + b * 256, dst + r * stride + b * 292, threadIdx.x & 31);
 }
 
 // F32 -> F16 / BF16 / F32 rows (mode 0: f16, 1: bf16, 2: f32 copy).
@@ -774,19 +777,27 @@ __device__ __forceinline__ float block_rms_scale(double s, int n, float eps, dou
 
 constexpr int kNormThreads = 256;  // every row norm runs with this many threads (same partial sums)
 
+// Row norms read their elements U strides at a time, so that the loads are in flight together rather
+// than one latency per element; each thread still sums its elements tid, tid + blockDim.x, ... in order.
+constexpr int kNormUnroll = 4;
+
 __global__ void rms_norm_kernel(const float* x, const float* __restrict__ w, float* y, int n, float eps, int64_t ld_x,
                                 int64_t ld_y) {
   __shared__ double part[32];
-  const int r = blockIdx.x, tid = threadIdx.x;
+  const int r = blockIdx.x, tid = threadIdx.x, nth = blockDim.x;
   const float* xr = x + r * ld_x;
   float* yr = y + r * ld_y;
   double s = 0;
-  for (int i = tid; i < n; i += blockDim.x) {
-    const float v = xr[i];
-    s += static_cast<double>(__fmul_rn(v, v));
+  for (int i0 = tid; i0 < n; i0 += kNormUnroll * nth) {
+    float v[kNormUnroll];
+#pragma unroll
+    for (int u = 0; u < kNormUnroll; ++u) v[u] = i0 + u * nth < n ? xr[i0 + u * nth] : 0.0f;
+#pragma unroll
+    for (int u = 0; u < kNormUnroll; ++u)
+      if (i0 + u * nth < n) s += static_cast<double>(__fmul_rn(v[u], v[u]));
   }
   const float scale = block_rms_scale(s, n, eps, part);
-  for (int i = tid; i < n; i += blockDim.x) {
+  for (int i = tid; i < n; i += nth) {
     const float v = __fmul_rn(xr[i], scale);
     yr[i] = w ? __fmul_rn(v, w[i]) : v;
   }
@@ -794,16 +805,18 @@ __global__ void rms_norm_kernel(const float* x, const float* __restrict__ w, flo
 
 // The end of a block, fused: x += y (or x += the routed experts' combination of ey with wts, as
 // moe_combine_kernel; with ey_host, the rows of slots whose expert is host-resident, slot_of[ids[j]] < 0,
-// come from ey_host), then xn = rms_norm(x) * w when xn is given. One CTA of kNormThreads per row.
+// come from ey_host), then xn = rms_norm(x) * w when xn is given, and xn in Q8_K when xq is given (the
+// next mat-vec's input, as quant_q8k_kernel makes it). One CTA of kNormThreads per row.
 template <int MAXK>
 __global__ void residual_norm_kernel(float* x, const float* __restrict__ y, const float* __restrict__ ey,
                                      const float* __restrict__ wts, int k, const float* __restrict__ ey_host,
                                      const int32_t* __restrict__ ids, const int32_t* __restrict__ slot_of,
-                                     const float* __restrict__ w, float* __restrict__ xn, int n, float eps) {
+                                     const float* __restrict__ w, float* __restrict__ xn, uint8_t* __restrict__ xq,
+                                     int n, float eps) {
   __shared__ double part[32];
   __shared__ const float* src[MAXK > 0 ? MAXK : 1];  // the experts' output rows of this token
   __shared__ float wt[MAXK > 0 ? MAXK : 1];
-  const int r = blockIdx.x, tid = threadIdx.x;
+  const int r = blockIdx.x, tid = threadIdx.x, nth = blockDim.x;
   float* xr = x + static_cast<int64_t>(r) * n;
   if constexpr (MAXK > 0) {
     // The row of each slot, looked up once (ids -> slot_of -> source) rather than per element.
@@ -814,31 +827,49 @@ __global__ void residual_norm_kernel(float* x, const float* __restrict__ y, cons
     }
     __syncthreads();
   }
+  constexpr int U = MAXK > 8 ? 1 : kNormUnroll;
   double s = 0;
-  for (int i = tid; i < n; i += blockDim.x) {
-    float o;
-    if constexpr (MAXK > 0) {
-      float v[MAXK];
+  for (int i0 = tid; i0 < n; i0 += U * nth) {
+    float o[U], xv[U];
 #pragma unroll
-      for (int j = 0; j < MAXK; ++j) v[j] = j < k ? src[j][i] : 0.0f;  // loads in flight together
-      o = __fmul_rn(v[0], wt[0]);
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + u * nth;
+      const bool in = i < n;
+      xv[u] = in ? xr[i] : 0.0f;
+      if constexpr (MAXK > 0) {
+        float v[MAXK];
 #pragma unroll
-      for (int j = 1; j < MAXK; ++j)
-        if (j < k) o = __fadd_rn(o, __fmul_rn(v[j], wt[j]));
-    } else {
-      o = y[static_cast<int64_t>(r) * n + i];
+        for (int j = 0; j < MAXK; ++j) v[j] = in && j < k ? src[j][i] : 0.0f;
+        o[u] = __fmul_rn(v[0], wt[0]);
+#pragma unroll
+        for (int j = 1; j < MAXK; ++j)
+          if (j < k) o[u] = __fadd_rn(o[u], __fmul_rn(v[j], wt[j]));
+      } else {
+        o[u] = in ? y[static_cast<int64_t>(r) * n + i] : 0.0f;
+      }
     }
-    const float v = __fadd_rn(xr[i], o);
-    xr[i] = v;
-    s += static_cast<double>(__fmul_rn(v, v));
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + u * nth;
+      if (i < n) {
+        const float v = __fadd_rn(xv[u], o[u]);
+        xr[i] = v;
+        s += static_cast<double>(__fmul_rn(v, v));
+      }
+    }
   }
   if (!xn) return;
   const float scale = block_rms_scale(s, n, eps, part);
   float* yr = xn + static_cast<int64_t>(r) * n;
-  for (int i = tid; i < n; i += blockDim.x) {  // the thread reads back only what it wrote itself
+  for (int i = tid; i < n; i += nth) {  // the thread reads back only what it wrote itself
     const float v = __fmul_rn(xr[i], scale);
     yr[i] = w ? __fmul_rn(v, w[i]) : v;
   }
+  if (!xq) return;
+  __syncthreads();  // the row of xn, written by the whole CTA, is visible to all its threads
+  const size_t stride = static_cast<size_t>(n / 256) * 292;
+  for (int b = tid >> 5; b < n / 256; b += nth >> 5)
+    quantize_q8k_block(yr + 256 * b, xq + r * stride + static_cast<size_t>(b) * 292, tid & 31);
 }
 
 __global__ void add_kernel(float* x, const float* __restrict__ y, int64_t n) {
@@ -1962,15 +1993,18 @@ void rms_norm(const float* x, const float* w, float* y, int n, int rows, float e
 
 void residual_norm(float* x, const float* y, const float* ey, const float* wts, int k, const float* w, float* xn,
                    int n, int rows, float eps, Stream s, const float* ey_host, const int32_t* ids,
-                   const int32_t* slot_of) {
+                   const int32_t* slot_of, void* xq) {
   if (rows <= 0 || n <= 0) return;
   if ((y == nullptr) == (ey == nullptr)) fail("residual_norm: give exactly one of y and ey");
   if (ey && (!wts || k <= 0)) fail("residual_norm: the experts' combination needs weights and k > 0");
   if (ey_host && (!ey || !ids || !slot_of)) fail("residual_norm: host rows need ey, ids and slot_of");
+  if (xq && (!xn || n % 256 != 0 || !aligned(xq, 4)))
+    fail("residual_norm: the Q8_K copy needs xn, rows a multiple of 256 values and 4-byte alignment");
   const cudaStream_t st = cs(s);
-  if (!ey) residual_norm_kernel<0><<<rows, kNormThreads, 0, st>>>(x, y, ey, wts, k, ey_host, ids, slot_of, w, xn, n, eps);
-  else if (k <= 8) residual_norm_kernel<8><<<rows, kNormThreads, 0, st>>>(x, y, ey, wts, k, ey_host, ids, slot_of, w, xn, n, eps);
-  else if (k <= 32) residual_norm_kernel<32><<<rows, kNormThreads, 0, st>>>(x, y, ey, wts, k, ey_host, ids, slot_of, w, xn, n, eps);
+  uint8_t* q = static_cast<uint8_t*>(xq);
+  if (!ey) residual_norm_kernel<0><<<rows, kNormThreads, 0, st>>>(x, y, ey, wts, k, ey_host, ids, slot_of, w, xn, q, n, eps);
+  else if (k <= 8) residual_norm_kernel<8><<<rows, kNormThreads, 0, st>>>(x, y, ey, wts, k, ey_host, ids, slot_of, w, xn, q, n, eps);
+  else if (k <= 32) residual_norm_kernel<32><<<rows, kNormThreads, 0, st>>>(x, y, ey, wts, k, ey_host, ids, slot_of, w, xn, q, n, eps);
   else fail("residual_norm: at most 32 experts per token");
   launched("residual_norm");
 }

@@ -47,10 +47,12 @@ void add(float* x, const float* y, int64_t n, Stream s);
 // The end of a block for `rows` rows of n values: x += y, or (y null) x += moe_combine(ey, wts, k);
 // then, when xn is given, xn = rms_norm(x) * w. The same bits as add / moe_combine + rms_norm.
 // With ey_host, slot j's row comes from ey_host instead of ey when its expert is host-resident
-// (slot_of[ids[j]] < 0): the CPU's outputs arrive there in one copy.
+// (slot_of[ids[j]] < 0): the CPU's outputs arrive there in one copy. With xq, xn is also written as
+// Q8_K rows (the bytes quantize_acts(Q8_K) gives; n a multiple of 256), sparing the next mat-vec's
+// quantization.
 void residual_norm(float* x, const float* y, const float* ey, const float* wts, int k, const float* w, float* xn,
                    int n, int rows, float eps, Stream s, const float* ey_host = nullptr, const int32_t* ids = nullptr,
-                   const int32_t* slot_of = nullptr);
+                   const int32_t* slot_of = nullptr, void* xq = nullptr);
 // out = silu(gate) * up
 void swiglu(const float* gate, const float* up, float* out, int64_t n, Stream s);
 // NeoX RoPE in place for tokens at positions pos[t] (device array), as cpu::rope_neox.

@@ -145,6 +145,8 @@ class GpuState final : public ModelState {
   int32_t *ids = nullptr, *pos = nullptr, *tokens = nullptr, *act_row = nullptr, *ident = nullptr, *idx_a = nullptr,
           *idx_b = nullptr;
   void *acts = nullptr, *dequant = nullptr, *attn_scratch = nullptr;
+  void* xn_q = nullptr;  // xn in Q8_K, written by residual_norm for the next mat-vecs (decode)
+  bool xn_q_valid = false;
   size_t acts_bytes = 0, dequant_bytes = 0, attn_scratch_bytes = 0, stage_bytes = 0;
   // Pinned host exchange buffers.
   float *h_x = nullptr, *h_xn = nullptr, *h_wts = nullptr, *h_ey = nullptr, *h_out = nullptr;
@@ -419,6 +421,7 @@ class Qwen3Gpu final : public GpuRunner {
     int64_t widest = std::max<int64_t>({n, qw, aw, ff});
     st.acts_bytes = gpu::act_bytes(DType::F32, widest, static_cast<int>(vec_rows));
     st.acts = st.dev_bytes(st.acts_bytes, "activations");
+    if (n % 256 == 0) st.xn_q = st.dev_bytes(row_bytes(DType::Q8_K, n) * vec_tokens, "activations");
     st.dequant_bytes = 64u << 20;
     st.dequant = st.dev_bytes(st.dequant_bytes, "dequantized weight tiles");
     st.attn_scratch_bytes = gpu::attention_scratch_bytes(U, st.n_ctx(), c_.n_head, c_.head_dim_v);
@@ -481,9 +484,18 @@ class Qwen3Gpu final : public GpuRunner {
   const void* vec_acts(GpuState& st, DType type, const float* x, int nt, int64_t cols) {
     const DType act = dtype_info(type).act_type;
     if (act == DType::F32) return x;
+    if (act == DType::Q8_K && x == st.xn && st.xn_q_valid && cols == c_.n_embd) return st.xn_q;
     gpu::quantize_acts(act, x, cols, nt, cols, st.acts, stream_);
     prof_.mark("quantize activations", stream_);
     return st.acts;
+  }
+
+  // Where residual_norm should also write xn in Q8_K: when the next consumer of xn is a mat-vec on the
+  // GPU that takes Q8_K activations (then vec_acts hands it out instead of quantizing again).
+  void* xn_q_for(GpuState& st, const GWeight& consumer, int nt) {
+    st.xn_q_valid = st.xn_q && nt <= gpu::kMaxVecTokens && consumer.on_gpu() &&
+                    dtype_info(consumer.dev.type).act_type == DType::Q8_K;
+    return st.xn_q_valid ? st.xn_q : nullptr;
   }
 
   // Several products of one input (q, k, v): on the matrix-vector path the input is converted once
@@ -540,12 +552,15 @@ class Qwen3Gpu final : public GpuRunner {
     prof_.mark("attention", stream_);
     linear(st, pool, G.wo, st.att, nt, st.y, E);
     prof_.mark("attn output", stream_);
-    gpu::residual_norm(st.x, st.y, nullptr, nullptr, 0, G.ffn_norm, st.xn, E, nt, c.rms_eps, stream_);
+    const GWeight& next = G.moe ? GWeight{G.experts.gate, nullptr} : G.ffn_gate;
+    gpu::residual_norm(st.x, st.y, nullptr, nullptr, 0, G.ffn_norm, st.xn, E, nt, c.rms_eps, stream_, nullptr, nullptr,
+                       nullptr, xn_q_for(st, next, nt));
     prof_.mark("residual + ffn norm", stream_);
   }
 
   // xn = attn_norm of layer 0 (x); later layers get theirs from the previous ffn_finish.
   void input_norm(GpuState& st, int nt) {
+    st.xn_q_valid = false;
     gpu::rms_norm(st.x, layers_[0].attn_norm, st.xn, c_.n_embd, nt, c_.rms_eps, c_.n_embd, c_.n_embd, stream_);
   }
 
@@ -624,11 +639,13 @@ class Qwen3Gpu final : public GpuRunner {
     const float* next_norm = last ? nullptr : layers_[l + 1].attn_norm;
     float* xn = last ? nullptr : st.xn;
     const GExperts& X = layers_[l].experts;
+    void* xq = last ? nullptr : xn_q_for(st, layers_[l + 1].wq, nt);
     if (layers_[l].moe)
       gpu::residual_norm(st.x, nullptr, st.ey, st.wts, c_.n_expert_used, next_norm, xn, c_.n_embd, nt, c_.rms_eps,
-                         stream_, host_rows ? st.ey_host : nullptr, st.ids, X.slot_of_dev);
+                         stream_, host_rows ? st.ey_host : nullptr, st.ids, X.slot_of_dev, xq);
     else
-      gpu::residual_norm(st.x, st.y, nullptr, nullptr, 0, next_norm, xn, c_.n_embd, nt, c_.rms_eps, stream_);
+      gpu::residual_norm(st.x, st.y, nullptr, nullptr, 0, next_norm, xn, c_.n_embd, nt, c_.rms_eps, stream_, nullptr,
+                         nullptr, nullptr, xq);
     prof_.mark("combine + residual + norm", stream_);
   }
 
@@ -637,6 +654,7 @@ class Qwen3Gpu final : public GpuRunner {
     const int E = c_.n_embd;
     const float* last = st.x + static_cast<int64_t>(nt - n_out + r0) * E;
     const int nr = std::min(64, n_out - r0);
+    st.xn_q_valid = false;
     gpu::rms_norm(last, output_norm_, st.xn, E, nr, c_.rms_eps, E, E, stream_);
     linear(st, pool, output_, st.xn, nr, st.logits, c_.n_vocab);
     gpu::copy_d2h(st.h_out, st.logits, sizeof(float) * nr * c_.n_vocab, stream_);

@@ -32,7 +32,10 @@ namespace {
 
 using namespace test;
 
-class GpuOps : public GpuTest {};
+class GpuOps : public GpuTest {
+ protected:
+  void residual_norm_case(int k);
+};
 
 // Activation rows in the weight's activation format, converted on the host by the reference.
 std::vector<uint8_t> host_acts(DType act, const std::vector<float>& x, int64_t n, int rows) {
@@ -447,7 +450,13 @@ TEST_F(GpuOps, RopeNeox) {
 // The fused block end must give the very bits of the unfused ops (add / moe_combine, then rms_norm),
 // which the tests above hold against the CPU reference.
 TEST_F(GpuOps, ResidualNormEqualsAddCombineAndNorm) {
-  const int n = 2048, rows = 3, k = 8;
+  // n = 2560: rows that end part way through the kernel's batched loads. k = 8 and the generic path.
+  for (int k : {8, 10}) residual_norm_case(k);
+}
+
+void GpuOps::residual_norm_case(int k) {
+  SCOPED_TRACE("k " + std::to_string(k));
+  const int n = 2560, rows = 3;
   std::vector<float> x = randn(static_cast<size_t>(n) * rows, 301, 2.0f), y = randn(static_cast<size_t>(n) * rows, 302);
   std::vector<float> ey = randn(static_cast<size_t>(n) * rows * k, 303), wts = randn(static_cast<size_t>(rows) * k, 304, 0.3f);
   std::vector<float> w = randn(n, 305);
@@ -470,7 +479,21 @@ TEST_F(GpuOps, ResidualNormEqualsAddCombineAndNorm) {
         add(dx_ref->as<float>(), dy->as<float>(), static_cast<int64_t>(n) * rows, s());
       }
       if (variant != 2) rms_norm(dx_ref->as<float>(), wp, xn_ref.as<float>(), n, rows, 1e-6f, n, n, s());
+      // Variant 0 also asks for xn in Q8_K: the bytes quantize_acts gives.
+      const size_t qbytes = row_bytes(DType::Q8_K, n) * rows;
+      Dev xq_fused(qbytes), xq_ref(qbytes);
+      if (variant == 0) {
+        auto dx_q = upload(x);
+        residual_norm(dx_q->as<float>(), combine ? nullptr : dy->as<float>(), combine ? dey->as<float>() : nullptr,
+                      combine ? dwts->as<float>() : nullptr, combine ? k : 0, wp, tmp.as<float>(), n, rows, 1e-6f, s(),
+                      nullptr, nullptr, nullptr, xq_fused.as());
+        quantize_acts(DType::Q8_K, xn_ref.as<float>(), n, rows, n, xq_ref.as(), s());
+      }
       sync();
+      if (variant == 0) {
+        auto a = xq_fused.down<uint8_t>(qbytes), b = xq_ref.down<uint8_t>(qbytes);
+        for (size_t i = 0; i < qbytes; ++i) ASSERT_EQ(a[i], b[i]) << "Q8_K copy of xn, combine " << combine << " byte " << i;
+      }
       auto gx = dx_fused->down<float>(x.size()), rx = dx_ref->down<float>(x.size());
       auto gn = xn_fused.down<float>(x.size()), rn = xn_ref.down<float>(x.size());
       for (size_t i = 0; i < x.size(); ++i) {
