@@ -70,7 +70,7 @@ fi
 # fitmoe and, when refbin/ holds it, the reference: the per-kernel summary (count, mean duration).
 if [ "$WHAT" = ncu ]; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
-  NCU="ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel --csv"
+  NCU="ncu --clock-control none --cache-control ${NCU_CACHE:-none} --metrics gpu__time_duration.sum --print-summary per-kernel --csv"
   FITMOE_NO_GRAPHS=1 $NCU "$BIN/fitmoe" bench -m "$MODEL" -p 0 -n 1 -r 1 > "$OUT/ncu-fitmoe.csv" 2> "$OUT/ncu-fitmoe.err"
   tail -n 3 "$OUT/ncu-fitmoe.err"
   if [ -f refbin/llama-bench.gz ]; then

@@ -67,6 +67,11 @@ void quantize_acts(DType act, const float* x, int64_t n, int rows, int64_t ld_x,
 // y[t * ld_y + r] = W[r] . x[t] for t < n_tokens <= kMaxVecTokens, acts already converted to
 // dtype_info(w.type).act_type (rows act_bytes(act, w.cols, 1) apart).
 void matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_t ld_y, Stream s);
+// Several matrices of one quantized type and width on the same activations, in one launch (e.g. the
+// q, k and v projections): y_i = W_i x for i < n (at most 4), each output with its own ld. The same
+// per-row results as n calls of matvec.
+void matvec_multi(const DevMatrix* const* ws, float* const* ys, const int64_t* ld_ys, int n, const void* acts,
+                  int n_tokens, Stream s);
 
 // Routed experts, decode style: for slot j < n_slots, with m = slot_of ? slot_of[ids[j]] : ids[j],
 // matrix m of w times activation row act_row[j] (index into acts, rows act_bytes(act, cols, 1) apart)
@@ -134,6 +139,12 @@ void busy_wait(int microseconds, Stream s);
 // Per token: softmax over n_expert logits, top-k (larger first, lower index on ties), weights
 // renormalised with the sum clamped at 6.1e-5, as cpu::route_softmax_topk. ids/weights [n_tokens][k].
 void route_topk(const float* logits, int n_tokens, int n_expert, int k, int32_t* ids, float* weights, Stream s);
+// The router's product and route_topk in one launch, for an F32 router of at most 512 experts and at
+// most kMaxVecTokens tokens (x: f32 rows of router.cols values; logits [n_tokens][router.rows]); the
+// same bits as matvec + route_topk. `done` is a device counter that starts at 0 and is left at 0 (one
+// per stream of use). Returns false, having done nothing, where it does not apply.
+bool router_topk(const DevMatrix& router, const float* x, int n_tokens, float* logits, int k, int32_t* ids,
+                 float* weights, unsigned* done, Stream s);
 // out[t] = sum_j weights[t][j] * y[row(t, j)] in j order; rows of y are n wide, row(t,j) = t*k + j.
 void moe_combine(const float* y, const float* weights, int n_tokens, int k, int n, float* out, Stream s);
 

@@ -145,6 +145,7 @@ class GpuState final : public ModelState {
   int32_t *ids = nullptr, *pos = nullptr, *tokens = nullptr, *act_row = nullptr, *ident = nullptr, *idx_a = nullptr,
           *idx_b = nullptr;
   void *acts = nullptr, *dequant = nullptr, *attn_scratch = nullptr;
+  unsigned* route_done = nullptr;  // gpu::router_topk's counter
   void* xn_q = nullptr;  // xn in Q8_K, written by residual_norm for the next mat-vecs (decode)
   bool xn_q_valid = false;
   size_t acts_bytes = 0, dequant_bytes = 0, attn_scratch_bytes = 0, stage_bytes = 0;
@@ -412,6 +413,8 @@ class Qwen3Gpu final : public GpuRunner {
     st.act_row = static_cast<int32_t*>(st.dev_bytes(sizeof(int32_t) * slots, "activations"));
     st.ey_host = st.dev_floats(std::min<int64_t>(slots, static_cast<int64_t>(gpu::kMaxVecTokens) * k) * n, "activations");
     st.ident = static_cast<int32_t*>(st.dev_bytes(sizeof(int32_t) * slots, "activations"));
+    st.route_done = static_cast<unsigned*>(st.dev_bytes(sizeof(unsigned), "activations"));
+    gpu::memset_async(st.route_done, 0, sizeof(unsigned), stream_);
     gpu::copy_h2d(st.act_row, rows.data(), sizeof(int32_t) * slots, stream_);
     gpu::copy_h2d(st.ident, ident.data(), sizeof(int32_t) * slots, stream_);
     // Activations in the weights' formats, for the matrix-vector path only (micro-batches of at most
@@ -517,12 +520,31 @@ class Qwen3Gpu final : public GpuRunner {
     while (!todo.empty()) {
       const DType act = dtype_info(todo.front()->w->dev.type).act_type;
       const void* acts = vec_acts(st, todo.front()->w->dev.type, x, nt, todo.front()->w->dev.cols);
-      std::vector<const Product*> rest;
+      std::vector<const Product*> rest, same;
       for (const Product* p : todo) {
         if (dtype_info(p->w->dev.type).act_type == act && p->w->dev.cols == todo.front()->w->dev.cols)
-          gpu::matvec(p->w->dev, acts, nt, p->y, p->ld_y, stream_);
+          same.push_back(p);
         else
           rest.push_back(p);
+      }
+      // Those of one quantized weight type go in one launch; the others one by one.
+      while (!same.empty()) {
+        const DType t = same.front()->w->dev.type;
+        std::vector<const gpu::DevMatrix*> ws;
+        std::vector<float*> ys;
+        std::vector<int64_t> lds;
+        std::vector<const Product*> later;
+        for (const Product* p : same) {
+          if (p->w->dev.type == t && (ws.empty() || !is_float_type(t))) {
+            ws.push_back(&p->w->dev);
+            ys.push_back(p->y);
+            lds.push_back(p->ld_y);
+          } else {
+            later.push_back(p);
+          }
+        }
+        gpu::matvec_multi(ws.data(), ys.data(), lds.data(), static_cast<int>(ws.size()), acts, nt, stream_);
+        same.swap(later);
       }
       todo.swap(rest);
     }
@@ -581,10 +603,15 @@ class Qwen3Gpu final : public GpuRunner {
     const int k = c.n_expert_used, n_slots = nt * k;
     const int64_t ff = c.n_ff_exp;
     GExperts& X = G.experts;
-    linear(st, pool, G.router, st.xn, nt, st.rlogits, c.n_expert);
-    prof_.mark("router", stream_);
-    gpu::route_topk(st.rlogits, nt, c.n_expert, k, st.ids, st.wts, stream_);
-    prof_.mark("top-k", stream_);
+    if (G.router.on_gpu() &&
+        gpu::router_topk(G.router.dev, st.xn, nt, st.rlogits, k, st.ids, st.wts, st.route_done, stream_)) {
+      prof_.mark("router + top-k", stream_);
+    } else {
+      linear(st, pool, G.router, st.xn, nt, st.rlogits, c.n_expert);
+      prof_.mark("router", stream_);
+      gpu::route_topk(st.rlogits, nt, c.n_expert, k, st.ids, st.wts, stream_);
+      prof_.mark("top-k", stream_);
+    }
     if (X.n_dev < c.n_expert) {
       // The CPU needs the choices and the normed input; copy them out first so it can start while
       // the GPU runs its own experts.

@@ -247,6 +247,92 @@ TEST_F(GpuOps, MatvecExpertsGluEqualsGateUpAndSwiglu) {
                Error);
 }
 
+// Several matrices in one launch: the same bits as one matvec each, and nothing written past each
+// output's rows (outputs have their own ld, with a gap that stays poisoned).
+TEST_F(GpuOps, MatvecMultiEqualsSeparateMatvecs) {
+  const int64_t cols = 512;
+  const int64_t rows[3] = {96, 20, 33};
+  for (DType t : kWeightTypes) {
+    if (is_float_type(t)) continue;
+    for (int nt : {1, 3}) {
+      SCOPED_TRACE(std::string(dtype_name(t)) + " tokens " + std::to_string(nt));
+      std::vector<float> x = randn(static_cast<size_t>(cols) * nt, 451, 0.5f);
+      auto acts = upload(host_acts(dtype_info(t).act_type, x, cols, nt));
+      std::vector<HostMatrix> hm;
+      std::vector<std::unique_ptr<Dev>> dm;
+      std::vector<DevMatrix> m;
+      for (int i = 0; i < 3; ++i) {
+        hm.push_back(random_matrix(t, rows[i], cols, 1, 452 + i));
+        dm.push_back(upload(hm.back().data));
+      }
+      for (int i = 0; i < 3; ++i) m.push_back(dev_matrix(hm[i], *dm[i]));
+      std::vector<std::unique_ptr<Dev>> y_multi, y_one;
+      float* ys[3];
+      int64_t lds[3];
+      for (int i = 0; i < 3; ++i) {
+        lds[i] = rows[i] + 5;
+        y_multi.push_back(std::make_unique<Dev>(static_cast<size_t>(lds[i]) * nt * 4));
+        y_one.push_back(std::make_unique<Dev>(static_cast<size_t>(lds[i]) * nt * 4));
+        ys[i] = y_multi.back()->as<float>();
+        matvec(m[i], acts->bytes(), nt, y_one.back()->as<float>(), lds[i], s());
+      }
+      const DevMatrix* ws[3] = {&m[0], &m[1], &m[2]};
+      matvec_multi(ws, ys, lds, 3, acts->bytes(), nt, s());
+      sync();
+      for (int i = 0; i < 3; ++i) {
+        auto a = y_multi[i]->down<float>(static_cast<size_t>(lds[i]) * nt), b = y_one[i]->down<float>(static_cast<size_t>(lds[i]) * nt);
+        for (int tk = 0; tk < nt; ++tk)
+          for (int64_t r = 0; r < lds[i]; ++r) {
+            const float got = a[tk * lds[i] + r];
+            if (r >= rows[i]) ASSERT_TRUE(is_poison(got)) << "matrix " << i << " wrote past its rows";
+            else ASSERT_EQ(bits(got), bits(b[tk * lds[i] + r])) << "matrix " << i << " token " << tk << " row " << r;
+          }
+      }
+    }
+  }
+}
+
+// The router's product with the routing fused: the same logits, choices and weights as matvec +
+// route_topk, twice in a row (the completion counter must come back to 0), and a refusal (false)
+// where it does not apply.
+TEST_F(GpuOps, RouterTopkEqualsMatvecAndRouteTopk) {
+  const int64_t cols = 512;
+  const int n_expert = 128, k = 8;
+  HostMatrix r = random_matrix(DType::F32, n_expert, cols, 1, 611);
+  auto dr = upload(r.data);
+  DevMatrix m = dev_matrix(r, *dr);
+  Dev done(sizeof(unsigned));
+  cudaMemset(done.as(), 0, sizeof(unsigned));
+  for (int nt : {1, 5}) {
+    for (int rep = 0; rep < 2; ++rep) {
+      SCOPED_TRACE("tokens " + std::to_string(nt) + " rep " + std::to_string(rep));
+      auto x = upload(randn(static_cast<size_t>(cols) * nt, 612 + rep + nt, 1.0f));
+      Dev l1(static_cast<size_t>(nt) * n_expert * 4), l2(static_cast<size_t>(nt) * n_expert * 4);
+      Dev i1(static_cast<size_t>(nt) * k * 4), i2(static_cast<size_t>(nt) * k * 4);
+      Dev w1(static_cast<size_t>(nt) * k * 4), w2(static_cast<size_t>(nt) * k * 4);
+      ASSERT_TRUE(router_topk(m, x->as<float>(), nt, l1.as<float>(), k, i1.as<int32_t>(), w1.as<float>(),
+                              done.as<unsigned>(), s()));
+      matvec(m, x->as<float>(), nt, l2.as<float>(), n_expert, s());
+      route_topk(l2.as<float>(), nt, n_expert, k, i2.as<int32_t>(), w2.as<float>(), s());
+      sync();
+      auto a = l1.down<float>(static_cast<size_t>(nt) * n_expert), b = l2.down<float>(static_cast<size_t>(nt) * n_expert);
+      for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(bits(a[i]), bits(b[i])) << "logit " << i;
+      auto ia = i1.down<int32_t>(static_cast<size_t>(nt) * k), ib = i2.down<int32_t>(static_cast<size_t>(nt) * k);
+      auto wa = w1.down<float>(static_cast<size_t>(nt) * k), wb = w2.down<float>(static_cast<size_t>(nt) * k);
+      for (size_t i = 0; i < ia.size(); ++i) {
+        ASSERT_EQ(ia[i], ib[i]) << "choice " << i;
+        ASSERT_EQ(bits(wa[i]), bits(wb[i])) << "weight " << i;
+      }
+      ASSERT_EQ(done.down<unsigned>(1)[0], 0u) << "the counter was not reset";
+    }
+  }
+  HostMatrix q = random_matrix(DType::Q8_0, n_expert, cols, 1, 613);
+  auto dq = upload(q.data);
+  Dev out(4096);
+  EXPECT_FALSE(router_topk(dev_matrix(q, *dq), nullptr, 1, out.as<float>(), k, out.as<int32_t>(), out.as<float>(),
+                           done.as<unsigned>(), s()));
+}
+
 TEST_F(GpuOps, MatvecRejectsBadInput) {
   HostMatrix hw = random_matrix(DType::Q4_K, 4, 256, 1, 1);
   Dev dw(hw.data.size());
