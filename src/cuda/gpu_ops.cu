@@ -1404,24 +1404,34 @@ __global__ void __launch_bounds__(kShortThreads) attn_dec_short_kernel(const Att
   const float inv = static_cast<float>(1.0 / tot);
   for (int j = tid; j < nvis; j += blockDim.x) S[j] = round_cache<T>(__fmul_rn(expf(__fsub_rn(S[j], mx)), inv));
   __syncthreads();
-  // V^T.P: a warp per output row (four rows at a time), lanes over 16-byte vectors of keys.
-  constexpr int E = 16 / sizeof(T);
+  // V^T.P: each warp takes RPW output rows at once (rows warp, warp + 8, ...: their loads in flight
+  // together), lanes over 16-byte vectors of keys.
+  constexpr int E = 16 / sizeof(T), NW = kShortThreads / 32, RPW = 16;
   const T* vbase = reinterpret_cast<const T*>(a.v) + static_cast<size_t>(g) * a.hdv * a.n_ctx;
-  for (int d0 = warp * 4; d0 < a.hdv; d0 += 4 * (kShortThreads / 32)) {
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int d0 = warp; d0 < a.hdv; d0 += RPW * NW) {
+    float acc[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) acc[r] = 0.0f;
     for (int i0 = lane * E; i0 < nvis; i0 += 32 * E) {
       float pk[E];
 #pragma unroll
       for (int k = 0; k < E; ++k) pk[k] = i0 + k < nvis ? S[i0 + k] : 0.0f;
+      uint4 raw[RPW];
+      const bool full = a.v_vec && i0 + E <= nvis;
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int d = d0 + r;
+      for (int r = 0; r < RPW; ++r) {
+        const int d = d0 + r * NW;
+        if (full && d < a.hdv) raw[r] = *reinterpret_cast<const uint4*>(vbase + static_cast<size_t>(d) * a.n_ctx + i0);
+      }
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        const int d = d0 + r * NW;
         if (d >= a.hdv) break;
-        const T* vr = vbase + static_cast<size_t>(d) * a.n_ctx + i0;
         float vv[E];
-        if (a.v_vec && i0 + E <= nvis) {
-          unpack16(*reinterpret_cast<const uint4*>(vr), vv);
+        if (full) {
+          unpack16(raw[r], vv);
         } else {
+          const T* vr = vbase + static_cast<size_t>(d) * a.n_ctx + i0;
 #pragma unroll
           for (int k = 0; k < E; ++k) vv[k] = i0 + k < nvis ? from_cache(vr[k]) : 0.0f;
         }
@@ -1430,9 +1440,9 @@ __global__ void __launch_bounds__(kShortThreads) attn_dec_short_kernel(const Att
       }
     }
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
+    for (int r = 0; r < RPW; ++r) {
       const float v = warp_sum(acc[r]);
-      if (lane == 0 && d0 + r < a.hdv) out[d0 + r] = v;
+      if (lane == 0 && d0 + r * NW < a.hdv) out[d0 + r * NW] = v;
     }
   }
 }
@@ -1957,6 +1967,8 @@ __device__ void route_topk_warp(const float* logits, int n_expert, int k, int32_
   __syncwarp();
   int32_t* ti = ids + static_cast<int64_t>(t) * k;
   float* tw = weights + static_cast<int64_t>(t) * k;
+  float my_w = 0.0f;
+  int my_i = 0;
   for (int j = 0; j < k; ++j) {
     float bv = -1.0f;
     int bi = INT_MAX;
@@ -1975,18 +1987,17 @@ __device__ void route_topk_warp(const float* logits, int n_expert, int k, int32_
         bi = oi;
       }
     }
-    if (lane == 0) {
-      ti[j] = bi;
-      tw[j] = bv;
-      p[bi] = -2.0f;  // taken
-    }
+    if ((j & 31) == lane) my_w = bv, my_i = bi;  // choice j stays in a register of lane j % 32
+    if (lane == 0) p[bi] = -2.0f;                 // taken
     __syncwarp();
   }
-  if (lane == 0) {
-    double ws = 0.0;
-    for (int j = 0; j < k; ++j) ws += static_cast<double>(tw[j]);
-    const float s = fmaxf(static_cast<float>(ws), 6.103515625e-5f);
-    for (int j = 0; j < k; ++j) tw[j] = __fdiv_rn(tw[j], s);
+  // Renormalise: the chosen weights summed in choice order (in double), then each lane writes its own.
+  double ws = 0.0;
+  for (int j = 0; j < k; ++j) ws += static_cast<double>(__shfl_sync(kFull, my_w, j));
+  const float s = fmaxf(static_cast<float>(ws), 6.103515625e-5f);
+  if (lane < k) {
+    ti[lane] = my_i;
+    tw[lane] = __fdiv_rn(my_w, s);
   }
 }
 
@@ -2429,7 +2440,7 @@ void attention(const float* q, int64_t ld_q, const DevKv& kv, int pos0, const in
 
 void route_topk(const float* logits, int n_tokens, int n_expert, int k, int32_t* ids, float* weights, Stream s) {
   if (n_tokens <= 0) return;
-  if (k <= 0 || k > n_expert) fail("route_topk: bad k");
+  if (k <= 0 || k > n_expert || k > 32) fail("route_topk: bad k (at most 32 experts per token)");
   const size_t smem = static_cast<size_t>(n_expert) * sizeof(float);
   if (smem > 48 * 1024) fail("route_topk: too many experts");
   route_topk_kernel<<<n_tokens, 32, smem, cs(s)>>>(logits, n_expert, k, ids, weights);
@@ -2442,7 +2453,7 @@ bool router_topk(const DevMatrix& router, const float* x, int n_tokens, float* l
       n_tokens > kMaxVecTokens)
     return false;
   check_weight(router, "router_topk");
-  if (k <= 0 || k > router.rows) fail("router_topk: bad k");
+  if (k <= 0 || k > router.rows || k > 32) fail("router_topk: bad k (at most 32 experts per token)");
   MvArgs a{};
   a.w = router.data;
   a.row_bytes = router.row_bytes;
