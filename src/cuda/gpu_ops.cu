@@ -231,6 +231,8 @@ __global__ void __launch_bounds__(kMvWarps * 32) mmvq_kernel(const MvArgs a) {
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc2[r][t] = 0.0f;
 
+  // Two sweeps unrolled: a 2048-wide row is two sweeps, and their loads can then be in flight together.
+#pragma unroll 2
   for (int64_t base = 0; base < nparts; base += 32) {
     const int64_t part = base + lane;
     const bool active = part < nparts;
