@@ -14,7 +14,7 @@ namespace fitmoe::cli {
 
 void add_model_options(CLI::App& app, ModelOptions& o, bool with_ctx) {
   app.add_option("-m,--model", o.model_path, "GGUF model file")->required();
-  app.add_option("-t,--threads", o.threads, "CPU threads (0: all cores)")->check(CLI::NonNegativeNumber);
+  app.add_option("-t,--threads", o.threads, "CPU threads (0: all cores; all but one with a GPU)")->check(CLI::NonNegativeNumber);
   app.add_flag("--mmap", o.mmap, "compute from the file mapping instead of loading the weights into memory");
   app.add_option("--vram", o.vram, "GPU memory budget, e.g. 8G (default: the card's free memory minus a margin)");
   app.add_option("--gpu", o.gpu, "GPU to use: auto, 0, or none (CPU only)")->check(CLI::IsMember({"auto", "none", "0", "cuda0"}));

@@ -445,6 +445,64 @@ __global__ void __launch_bounds__(kMvWarps * 32) mv_float_split_kernel(const MvA
   mv_float_split_body<E, NT, VEC>(a);
 }
 
+// Routed experts with their combination fused (decode, every chosen expert on the device): for token
+// t = blockIdx.y and each row, the k slots' products v_j (each exactly as mmvq_kernel computes it,
+// activation row = slot) are combined as moe_combine does, y[t][r] = sum_j wts[t*k+j] * v_j in j order.
+template <DType T, int MAXK>
+__global__ void __launch_bounds__(kMvWarps * 32) mmvq_combine_kernel(const MvArgs a, const float* __restrict__ wts,
+                                                                     int k) {
+  using W = WT<T>;
+  constexpr int P = W::kQK / 32;
+  const int t = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kMvWarps + warp;
+  if (row >= a.rows) return;
+  const int64_t nparts = a.cols / 32;
+  float v[MAXK];
+#pragma unroll
+  for (int j = 0; j < MAXK; ++j) {
+    v[j] = 0.0f;
+    if (j >= k) continue;
+    const int slot = t * k + j;
+    const int e = a.ids[slot];
+    const int m = a.slot_of ? a.slot_of[e] : e;
+    if (m < 0) {  // not on the device: the caller broke the contract; make it loud
+      v[j] = __int_as_float(0x7fc00000);
+      continue;
+    }
+    const uint8_t* wr = a.w + static_cast<size_t>(m) * a.mat_bytes + row * a.row_bytes;
+    const uint8_t* acts = a.acts + static_cast<size_t>(slot) * a.act_stride;
+    float acc = 0.0f;
+    for (int64_t base = 0; base < nparts; base += 32) {
+      const int64_t part = base + lane;
+      const bool active = part < nparts;
+      const int64_t blk = part / P;
+      const int p = static_cast<int>(part % P);
+      WPart w;
+      APart x;
+      if (active) {
+        W::decode(wr + blk * W::kBytes, p, w);
+        load_act<W::kFam>(acts, blk, p, x);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w.q[i] = 0, x.a[i] = 0;
+        w.d = w.m = 0.0f;
+        w.sc0 = w.sc1 = w.mn0 = w.mn1 = 0;
+        x.d = x.s = 0.0f;
+        x.bs0 = x.bs1 = 0;
+      }
+      acc = block_dot<T>(w, x, p, active, acc);
+    }
+    v[j] = warp_sum(acc);
+  }
+  if (lane != 0) return;
+  const float* wt = wts + static_cast<int64_t>(t) * k;
+  float o = __fmul_rn(v[0], wt[0]);
+#pragma unroll
+  for (int j = 1; j < MAXK; ++j)
+    if (j < k) o = __fadd_rn(o, __fmul_rn(v[j], wt[j]));
+  a.y[t * a.ld_y + row] = o;
+}
+
 template <DType T, int NT>
 void launch_mvq_nt(const MvArgs& a0, unsigned n_slots, cudaStream_t s) {
   constexpr int R = NT == 1 ? 1 : 2;
@@ -2230,6 +2288,43 @@ void matvec_experts(const DevMatrix& w, const int32_t* ids, const int32_t* slot_
   if (n_slots > 65535) fail("matvec_experts: too many slots");
   if (!ids || !act_row) fail("matvec_experts: ids and act_row are required");
   launch_matvec(w, acts, 1, y, ld_y, ids, slot_of, n_slots, act_row, cs(s), "matvec_experts");
+}
+
+void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_t* slot_of, int n_tokens, int k,
+                            const void* acts, const float* wts, float* y, int64_t ld_y, Stream s) {
+  if (n_tokens <= 0) return;
+  if (n_tokens > kMaxVecTokens || k <= 0 || k > 8) fail("matvec_experts_combine: at most 8 tokens and 8 experts each");
+  if (!ids || !wts) fail("matvec_experts_combine: ids and wts are required");
+  check_weight(w, "matvec_experts_combine");
+  if (is_float_type(w.type)) fail("matvec_experts_combine: quantized experts only");
+  const DType act = dtype_info(w.type).act_type;
+  const size_t act_al = (act == DType::Q8_1 || act == DType::Q8_K) ? 4 : 2;
+  if (!aligned(acts, act_al)) fail("matvec_experts_combine: activations must be " + std::to_string(act_al) + "-byte aligned");
+  MvArgs a{};
+  a.w = w.data;
+  a.row_bytes = w.row_bytes;
+  a.mat_bytes = w.mat_bytes;
+  a.rows = w.rows;
+  a.cols = w.cols;
+  a.acts = static_cast<const uint8_t*>(acts);
+  a.act_stride = row_bytes(act, w.cols);
+  a.n_tokens = 1;
+  a.y = y;
+  a.ld_y = ld_y;
+  a.ids = ids;
+  a.slot_of = slot_of;
+  const dim3 grid(blocks_for(w.rows, kMvWarps), static_cast<unsigned>(n_tokens));
+  const cudaStream_t st = cs(s);
+  switch (w.type) {
+#define FITMOE_COMBINE(TY) \
+    case DType::TY: mmvq_combine_kernel<DType::TY, 8><<<grid, kMvWarps * 32, 0, st>>>(a, wts, k); break;
+    FITMOE_COMBINE(Q4_0) FITMOE_COMBINE(Q4_1) FITMOE_COMBINE(Q5_0) FITMOE_COMBINE(Q5_1) FITMOE_COMBINE(Q8_0)
+    FITMOE_COMBINE(Q2_K) FITMOE_COMBINE(Q3_K) FITMOE_COMBINE(Q4_K) FITMOE_COMBINE(Q5_K) FITMOE_COMBINE(Q6_K)
+    FITMOE_COMBINE(IQ4_NL) FITMOE_COMBINE(IQ4_XS)
+#undef FITMOE_COMBINE
+    default: fail(std::string("matvec_experts_combine: unsupported weight type ") + tname(w.type));
+  }
+  launched("matvec_experts_combine");
 }
 
 void copy_rows(const float* src, int64_t ld_src, const int32_t* src_rows, float* dst, int64_t ld_dst,

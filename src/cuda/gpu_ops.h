@@ -79,6 +79,12 @@ void matvec_multi(const DevMatrix* const* ws, float* const* ys, const int64_t* l
 // index arrays are on the device, so the call can be captured in a CUDA graph.
 void matvec_experts(const DevMatrix& w, const int32_t* ids, const int32_t* slot_of, int n_slots, const void* acts,
                     const int32_t* act_row, float* y, int64_t ld_y, Stream s);
+// Routed experts and their combination at once (decode, every chosen expert on the device): for each
+// token t < n_tokens (at most 8) with k <= 8 slots t*k + j, y[t * ld_y + r] = moe_combine of the slots'
+// products (activation row = slot), the very bits of matvec_experts (act_row = slot) + moe_combine.
+// Quantized experts only.
+void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_t* slot_of, int n_tokens, int k,
+                            const void* acts, const float* wts, float* y, int64_t ld_y, Stream s);
 // The same for gate and up experts at once (quantized, one type and shape): y = silu(gate x) * (up x),
 // the very bits of two matvec_experts calls and swiglu.
 void matvec_experts_glu(const DevMatrix& gate, const DevMatrix& up, const int32_t* ids, const int32_t* slot_of,

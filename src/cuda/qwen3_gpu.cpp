@@ -148,6 +148,7 @@ class GpuState final : public ModelState {
   unsigned* route_done = nullptr;  // gpu::router_topk's counter
   void* xn_q = nullptr;  // xn in Q8_K, written by residual_norm for the next mat-vecs (decode)
   bool xn_q_valid = false;
+  bool ffn_out_combined = false;  // this layer's MoE output is already combined in y (not per slot in ey)
   size_t acts_bytes = 0, dequant_bytes = 0, attn_scratch_bytes = 0, stage_bytes = 0;
   // Pinned host exchange buffers.
   float *h_x = nullptr, *h_xn = nullptr, *h_wts = nullptr, *h_ey = nullptr, *h_out = nullptr;
@@ -603,6 +604,7 @@ class Qwen3Gpu final : public GpuRunner {
     const int k = c.n_expert_used, n_slots = nt * k;
     const int64_t ff = c.n_ff_exp;
     GExperts& X = G.experts;
+    st.ffn_out_combined = false;
     if (G.router.on_gpu() &&
         gpu::router_topk(G.router.dev, st.xn, nt, st.rlogits, k, st.ids, st.wts, st.route_done, stream_)) {
       prof_.mark("router + top-k", stream_);
@@ -631,7 +633,13 @@ class Qwen3Gpu final : public GpuRunner {
         gpu::swiglu(st.g, st.u, st.g, n_slots * ff, stream_);
       }
       acts = vec_acts(st, X.down.type, st.g, n_slots, ff);
-      gpu::matvec_experts(X.down, st.ids, X.slot_of_dev, n_slots, acts, st.ident, st.ey, E, stream_);
+      if (X.n_dev == c.n_expert && k <= 8 && !is_float_type(X.down.type)) {
+        // Every expert on the GPU: the down products combine straight into st.y.
+        gpu::matvec_experts_combine(X.down, st.ids, X.slot_of_dev, nt, k, acts, st.wts, st.y, E, stream_);
+        st.ffn_out_combined = true;
+      } else {
+        gpu::matvec_experts(X.down, st.ids, X.slot_of_dev, n_slots, acts, st.ident, st.ey, E, stream_);
+      }
       prof_.mark("experts down", stream_);
     }
   }
@@ -667,7 +675,7 @@ class Qwen3Gpu final : public GpuRunner {
     float* xn = last ? nullptr : st.xn;
     const GExperts& X = layers_[l].experts;
     void* xq = last ? nullptr : xn_q_for(st, layers_[l + 1].wq, nt);
-    if (layers_[l].moe)
+    if (layers_[l].moe && !st.ffn_out_combined)
       gpu::residual_norm(st.x, nullptr, st.ey, st.wts, c_.n_expert_used, next_norm, xn, c_.n_embd, nt, c_.rms_eps,
                          stream_, host_rows ? st.ey_host : nullptr, st.ids, X.slot_of_dev, xq);
     else
@@ -817,6 +825,7 @@ class Qwen3Gpu final : public GpuRunner {
     const int E = c.n_embd, k = c.n_expert_used, n_slots = nt * k, NE = c.n_expert;
     const int64_t ff = c.n_ff_exp;
     GExperts& X = G.experts;
+    st.ffn_out_combined = false;
     linear(st, pool, G.router, st.xn, nt, st.rlogits, NE);
     gpu::route_topk(st.rlogits, nt, NE, k, st.ids, st.wts, stream_);
     gpu::copy_d2h(st.h_ids, st.ids, sizeof(int32_t) * n_slots, stream_);

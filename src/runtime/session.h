@@ -14,7 +14,7 @@
 namespace fitmoe {
 
 struct SessionOptions {
-  int n_threads = 0;       // 0: all cores
+  int n_threads = 0;       // 0: all cores (all but one when the model runs on a GPU)
   int n_ctx = 4096;
   DType kv_type = DType::F16;
   int n_batch = 512;       // prompt tokens per forward batch

@@ -333,6 +333,48 @@ TEST_F(GpuOps, RouterTopkEqualsMatvecAndRouteTopk) {
                            done.as<unsigned>(), s()));
 }
 
+// Down products with the combination fused: the same bits as matvec_experts (one row per slot) and
+// moe_combine, for k = 8 and a k below the kernel's maximum.
+TEST_F(GpuOps, MatvecExpertsCombineEqualsExpertsAndCombine) {
+  const int64_t cols = 768, rows = 200;
+  const int n_mats = 10;
+  for (DType t : kWeightTypes) {
+    if (is_float_type(t) || cols % dtype_info(t).block_size != 0) continue;
+    for (int nt : {1, 3}) {
+      for (int k : {8, 3}) {
+        SCOPED_TRACE(std::string(dtype_name(t)) + " tokens " + std::to_string(nt) + " k " + std::to_string(k));
+        const int n_slots = nt * k;
+        std::vector<int32_t> ids(n_slots), ident(n_slots);
+        for (int j = 0; j < n_slots; ++j) ids[j] = (j * 7 + 2) % 9, ident[j] = j;
+        std::vector<int32_t> slot_of(9);
+        for (int e = 0; e < 9; ++e) slot_of[e] = (e * 4 + 1) % n_mats;
+        auto d_ids = upload(ids), d_ident = upload(ident), d_slot = upload(slot_of);
+        auto wts = upload(randn(static_cast<size_t>(n_slots), 721 + k, 0.4f));
+        std::vector<float> g = randn(static_cast<size_t>(cols) * n_slots, 722, 0.5f);
+        auto acts = upload(host_acts(dtype_info(t).act_type, g, cols, n_slots));
+        HostMatrix w = random_matrix(t, rows, cols, n_mats, 723);
+        auto dw = upload(w.data);
+        DevMatrix m = dev_matrix(w, *dw);
+        const int64_t ld = rows + 3;
+        Dev y(static_cast<size_t>(ld) * nt * 4), ey(static_cast<size_t>(n_slots) * rows * 4),
+            ref(static_cast<size_t>(nt) * rows * 4);
+        matvec_experts_combine(m, d_ids->as<int32_t>(), d_slot->as<int32_t>(), nt, k, acts->bytes(), wts->as<float>(),
+                               y.as<float>(), ld, s());
+        matvec_experts(m, d_ids->as<int32_t>(), d_slot->as<int32_t>(), n_slots, acts->bytes(), d_ident->as<int32_t>(),
+                       ey.as<float>(), rows, s());
+        moe_combine(ey.as<float>(), wts->as<float>(), nt, k, rows, ref.as<float>(), s());
+        sync();
+        auto a = y.down<float>(static_cast<size_t>(ld) * nt), b = ref.down<float>(static_cast<size_t>(nt) * rows);
+        for (int tk = 0; tk < nt; ++tk)
+          for (int64_t r = 0; r < ld; ++r) {
+            if (r >= rows) ASSERT_TRUE(is_poison(a[tk * ld + r])) << "wrote past the rows";
+            else ASSERT_EQ(bits(a[tk * ld + r]), bits(b[tk * rows + r])) << "token " << tk << " row " << r;
+          }
+      }
+    }
+  }
+}
+
 TEST_F(GpuOps, MatvecRejectsBadInput) {
   HostMatrix hw = random_matrix(DType::Q4_K, 4, 256, 1, 1);
   Dev dw(hw.data.size());
