@@ -334,9 +334,43 @@ struct FloatElem<__nv_bfloat16> {
   static constexpr int kVec = 8;
 };
 
+// This thread's share of a float row's dot products with nt activation rows: elements first,
+// first + stride, ... (16-byte vectors when VEC, then single elements), fma into acc[t].
+template <typename E, int NT, bool VEC>
+__device__ __forceinline__ void float_row_partial(const uint8_t* wr, const uint8_t* acts, size_t act_stride, int64_t n,
+                                                  int nt, int first, int stride, float (&acc)[NT]) {
+  using F = FloatElem<E>;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+  int64_t done = 0;
+  if constexpr (VEC) {
+    constexpr int V = F::kVec;
+    const int64_t nv = n / V;
+    for (int64_t i = first; i < nv; i += stride) {
+      float wf[V];
+      F::vec(wr, i, wf);
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        if (t < nt) {
+          float af[V];
+          F::vec(acts + t * act_stride, i, af);
+#pragma unroll
+          for (int k = 0; k < V; ++k) acc[t] = __fmaf_rn(wf[k], af[k], acc[t]);
+        }
+      }
+    }
+    done = nv * V;
+  }
+  for (int64_t i = done + first; i < n; i += stride) {
+    const float wf = F::at(wr, i);
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+      if (t < nt) acc[t] = __fmaf_rn(wf, F::at(acts + t * act_stride, i), acc[t]);
+  }
+}
+
 template <typename E, int NT, bool VEC>
 __global__ void __launch_bounds__(kMvWarps * 32) mv_float_kernel(const MvArgs a) {
-  using F = FloatElem<E>;
   const uint8_t* wm;
   const uint8_t* acts;
   float* y;
@@ -348,33 +382,7 @@ __global__ void __launch_bounds__(kMvWarps * 32) mv_float_kernel(const MvArgs a)
   const int64_t n = a.cols;
   const uint8_t* wr = wm + row * a.row_bytes;
   float acc[NT];
-#pragma unroll
-  for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
-  int64_t done = 0;
-  if constexpr (VEC) {
-    constexpr int V = F::kVec;
-    const int64_t nv = n / V;
-    for (int64_t i = lane; i < nv; i += 32) {
-      float wf[V];
-      F::vec(wr, i, wf);
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        if (t < nt) {
-          float af[V];
-          F::vec(acts + t * a.act_stride, i, af);
-#pragma unroll
-          for (int k = 0; k < V; ++k) acc[t] = __fmaf_rn(wf[k], af[k], acc[t]);
-        }
-      }
-    }
-    done = nv * V;
-  }
-  for (int64_t i = done + lane; i < n; i += 32) {
-    const float wf = F::at(wr, i);
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-      if (t < nt) acc[t] = __fmaf_rn(wf, F::at(acts + t * a.act_stride, i), acc[t]);
-  }
+  float_row_partial<E, NT, VEC>(wr, acts, a.act_stride, n, nt, lane, 32, acc);
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     if (t < nt) {
@@ -388,7 +396,6 @@ __global__ void __launch_bounds__(kMvWarps * 32) mv_float_kernel(const MvArgs a)
 // columns, so that the product spreads over enough of the GPU to reach its memory bandwidth.
 template <typename E, int NT, bool VEC>
 __device__ __forceinline__ void mv_float_split_body(const MvArgs& a) {
-  using F = FloatElem<E>;
   __shared__ float part[kMvWarps][NT];
   const uint8_t* wm;
   const uint8_t* acts;
@@ -400,33 +407,7 @@ __device__ __forceinline__ void mv_float_split_body(const MvArgs& a) {
   const int64_t n = a.cols;
   const uint8_t* wr = wm + row * a.row_bytes;
   float acc[NT];
-#pragma unroll
-  for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
-  int64_t done = 0;
-  if constexpr (VEC) {
-    constexpr int V = F::kVec;
-    const int64_t nv = n / V;
-    for (int64_t i = tid; i < nv; i += kMvWarps * 32) {
-      float wf[V];
-      F::vec(wr, i, wf);
-#pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        if (t < nt) {
-          float af[V];
-          F::vec(acts + t * a.act_stride, i, af);
-#pragma unroll
-          for (int k = 0; k < V; ++k) acc[t] = __fmaf_rn(wf[k], af[k], acc[t]);
-        }
-      }
-    }
-    done = nv * V;
-  }
-  for (int64_t i = done + tid; i < n; i += kMvWarps * 32) {
-    const float wf = F::at(wr, i);
-#pragma unroll
-    for (int t = 0; t < NT; ++t)
-      if (t < nt) acc[t] = __fmaf_rn(wf, F::at(acts + t * a.act_stride, i), acc[t]);
-  }
+  float_row_partial<E, NT, VEC>(wr, acts, a.act_stride, n, nt, tid, kMvWarps * 32, acc);
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     const float v = warp_sum(acc[t]);
@@ -581,11 +562,12 @@ void check_weight(const DevMatrix& w, const char* what) {
     fail(std::string(what) + ": " + info->name + " weights must be " + std::to_string(al) + "-byte aligned");
 }
 
-void launch_matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_t ld_y, const int32_t* ids,
-                   const int32_t* slot_of, int n_slots, const int32_t* act_row, cudaStream_t s, const char* what,
-                   const DevMatrix* up = nullptr) {
+// The arguments every mat-vec kernel takes, from the weight and its converted activations (checked).
+MvArgs mv_args(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_t ld_y, const char* what) {
   check_weight(w, what);
   const DType act = dtype_info(w.type).act_type;
+  const size_t act_al = (act == DType::Q8_1 || act == DType::Q8_K || act == DType::F32) ? 4 : 2;
+  if (!aligned(acts, act_al)) fail(std::string(what) + ": activations must be " + std::to_string(act_al) + "-byte aligned");
   MvArgs a{};
   a.w = w.data;
   a.row_bytes = w.row_bytes;
@@ -597,6 +579,33 @@ void launch_matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y,
   a.n_tokens = n_tokens;
   a.y = y;
   a.ld_y = ld_y;
+  return a;
+}
+
+// Calls f(std::integral_constant<DType, T>) for the quantized weight type t.
+template <class F>
+void with_quant_type(DType t, const char* what, F&& f) {
+  switch (t) {
+    case DType::Q4_0: f(std::integral_constant<DType, DType::Q4_0>{}); break;
+    case DType::Q4_1: f(std::integral_constant<DType, DType::Q4_1>{}); break;
+    case DType::Q5_0: f(std::integral_constant<DType, DType::Q5_0>{}); break;
+    case DType::Q5_1: f(std::integral_constant<DType, DType::Q5_1>{}); break;
+    case DType::Q8_0: f(std::integral_constant<DType, DType::Q8_0>{}); break;
+    case DType::Q2_K: f(std::integral_constant<DType, DType::Q2_K>{}); break;
+    case DType::Q3_K: f(std::integral_constant<DType, DType::Q3_K>{}); break;
+    case DType::Q4_K: f(std::integral_constant<DType, DType::Q4_K>{}); break;
+    case DType::Q5_K: f(std::integral_constant<DType, DType::Q5_K>{}); break;
+    case DType::Q6_K: f(std::integral_constant<DType, DType::Q6_K>{}); break;
+    case DType::IQ4_NL: f(std::integral_constant<DType, DType::IQ4_NL>{}); break;
+    case DType::IQ4_XS: f(std::integral_constant<DType, DType::IQ4_XS>{}); break;
+    default: fail(std::string(what) + ": unsupported weight type " + tname(t));
+  }
+}
+
+void launch_matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_t ld_y, const int32_t* ids,
+                   const int32_t* slot_of, int n_slots, const int32_t* act_row, cudaStream_t s, const char* what,
+                   const DevMatrix* up = nullptr) {
+  MvArgs a = mv_args(w, acts, n_tokens, y, ld_y, what);
   a.ids = ids;
   a.slot_of = slot_of;
   a.act_row = act_row;
@@ -607,8 +616,6 @@ void launch_matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y,
       fail(std::string(what) + ": gate and up must be quantized matrices of one type and shape, in experts mode");
     a.w2 = up->data;
   }
-  const size_t act_al = (act == DType::Q8_1 || act == DType::Q8_K || act == DType::F32) ? 4 : 2;
-  if (!aligned(acts, act_al)) fail(std::string(what) + ": activations must be " + std::to_string(act_al) + "-byte aligned");
   const unsigned slots = static_cast<unsigned>(n_slots);
   const bool vec = aligned(w.data, 16) && w.row_bytes % 16 == 0 && (ids == nullptr || w.mat_bytes % 16 == 0) &&
                    aligned(acts, 16) && a.act_stride % 16 == 0;
@@ -616,19 +623,7 @@ void launch_matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y,
     case DType::F32: launch_mvf<float>(a, slots, vec, s); break;
     case DType::F16: launch_mvf<__half>(a, slots, vec, s); break;
     case DType::BF16: launch_mvf<__nv_bfloat16>(a, slots, vec, s); break;
-    case DType::Q4_0: launch_mvq<DType::Q4_0>(a, slots, s); break;
-    case DType::Q4_1: launch_mvq<DType::Q4_1>(a, slots, s); break;
-    case DType::Q5_0: launch_mvq<DType::Q5_0>(a, slots, s); break;
-    case DType::Q5_1: launch_mvq<DType::Q5_1>(a, slots, s); break;
-    case DType::Q8_0: launch_mvq<DType::Q8_0>(a, slots, s); break;
-    case DType::Q2_K: launch_mvq<DType::Q2_K>(a, slots, s); break;
-    case DType::Q3_K: launch_mvq<DType::Q3_K>(a, slots, s); break;
-    case DType::Q4_K: launch_mvq<DType::Q4_K>(a, slots, s); break;
-    case DType::Q5_K: launch_mvq<DType::Q5_K>(a, slots, s); break;
-    case DType::Q6_K: launch_mvq<DType::Q6_K>(a, slots, s); break;
-    case DType::IQ4_NL: launch_mvq<DType::IQ4_NL>(a, slots, s); break;
-    case DType::IQ4_XS: launch_mvq<DType::IQ4_XS>(a, slots, s); break;
-    default: fail(std::string(what) + ": unsupported weight type " + tname(w.type));
+    default: with_quant_type(w.type, what, [&](auto T) { launch_mvq<decltype(T)::value>(a, slots, s); });
   }
   launched(what);
 }
@@ -2234,20 +2229,7 @@ void matvec_multi(const DevMatrix* const* ws, float* const* ys, const int64_t* l
     if (ws[i]->type != w0.type || ws[i]->cols != w0.cols || ws[i]->n_mats != 1 || is_float_type(w0.type))
       fail("matvec_multi: the matrices must be single quantized matrices of one type and width");
   }
-  const DType act = dtype_info(w0.type).act_type;
-  const size_t act_al = (act == DType::Q8_1 || act == DType::Q8_K) ? 4 : 2;
-  if (!aligned(acts, act_al)) fail("matvec_multi: activations must be " + std::to_string(act_al) + "-byte aligned");
-  MvArgs a{};
-  a.w = w0.data;
-  a.row_bytes = w0.row_bytes;
-  a.mat_bytes = w0.mat_bytes;
-  a.rows = w0.rows;
-  a.cols = w0.cols;
-  a.acts = static_cast<const uint8_t*>(acts);
-  a.act_stride = row_bytes(act, w0.cols);
-  a.n_tokens = n_tokens;
-  a.y = ys[0];
-  a.ld_y = ld_ys[0];
+  MvArgs a = mv_args(w0, acts, n_tokens, ys[0], ld_ys[0], "matvec_multi");
   a.n_seg = n;
   for (int i = 0; i < n; ++i) {
     a.seg_w[i] = ws[i]->data;
@@ -2256,21 +2238,7 @@ void matvec_multi(const DevMatrix* const* ws, float* const* ys, const int64_t* l
     a.seg_ld[i] = ld_ys[i];
   }
   const cudaStream_t st = cs(s);
-  switch (w0.type) {
-    case DType::Q4_0: launch_mvq<DType::Q4_0>(a, 1, st); break;
-    case DType::Q4_1: launch_mvq<DType::Q4_1>(a, 1, st); break;
-    case DType::Q5_0: launch_mvq<DType::Q5_0>(a, 1, st); break;
-    case DType::Q5_1: launch_mvq<DType::Q5_1>(a, 1, st); break;
-    case DType::Q8_0: launch_mvq<DType::Q8_0>(a, 1, st); break;
-    case DType::Q2_K: launch_mvq<DType::Q2_K>(a, 1, st); break;
-    case DType::Q3_K: launch_mvq<DType::Q3_K>(a, 1, st); break;
-    case DType::Q4_K: launch_mvq<DType::Q4_K>(a, 1, st); break;
-    case DType::Q5_K: launch_mvq<DType::Q5_K>(a, 1, st); break;
-    case DType::Q6_K: launch_mvq<DType::Q6_K>(a, 1, st); break;
-    case DType::IQ4_NL: launch_mvq<DType::IQ4_NL>(a, 1, st); break;
-    case DType::IQ4_XS: launch_mvq<DType::IQ4_XS>(a, 1, st); break;
-    default: fail(std::string("matvec_multi: unsupported weight type ") + tname(w0.type));
-  }
+  with_quant_type(w0.type, "matvec_multi", [&](auto T) { launch_mvq<decltype(T)::value>(a, 1, st); });
   launched("matvec_multi");
 }
 
@@ -2295,35 +2263,15 @@ void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_
   if (n_tokens <= 0) return;
   if (n_tokens > kMaxVecTokens || k <= 0 || k > 8) fail("matvec_experts_combine: at most 8 tokens and 8 experts each");
   if (!ids || !wts) fail("matvec_experts_combine: ids and wts are required");
-  check_weight(w, "matvec_experts_combine");
   if (is_float_type(w.type)) fail("matvec_experts_combine: quantized experts only");
-  const DType act = dtype_info(w.type).act_type;
-  const size_t act_al = (act == DType::Q8_1 || act == DType::Q8_K) ? 4 : 2;
-  if (!aligned(acts, act_al)) fail("matvec_experts_combine: activations must be " + std::to_string(act_al) + "-byte aligned");
-  MvArgs a{};
-  a.w = w.data;
-  a.row_bytes = w.row_bytes;
-  a.mat_bytes = w.mat_bytes;
-  a.rows = w.rows;
-  a.cols = w.cols;
-  a.acts = static_cast<const uint8_t*>(acts);
-  a.act_stride = row_bytes(act, w.cols);
-  a.n_tokens = 1;
-  a.y = y;
-  a.ld_y = ld_y;
+  MvArgs a = mv_args(w, acts, 1, y, ld_y, "matvec_experts_combine");
   a.ids = ids;
   a.slot_of = slot_of;
   const dim3 grid(blocks_for(w.rows, kMvWarps), static_cast<unsigned>(n_tokens));
   const cudaStream_t st = cs(s);
-  switch (w.type) {
-#define FITMOE_COMBINE(TY) \
-    case DType::TY: mmvq_combine_kernel<DType::TY, 8><<<grid, kMvWarps * 32, 0, st>>>(a, wts, k); break;
-    FITMOE_COMBINE(Q4_0) FITMOE_COMBINE(Q4_1) FITMOE_COMBINE(Q5_0) FITMOE_COMBINE(Q5_1) FITMOE_COMBINE(Q8_0)
-    FITMOE_COMBINE(Q2_K) FITMOE_COMBINE(Q3_K) FITMOE_COMBINE(Q4_K) FITMOE_COMBINE(Q5_K) FITMOE_COMBINE(Q6_K)
-    FITMOE_COMBINE(IQ4_NL) FITMOE_COMBINE(IQ4_XS)
-#undef FITMOE_COMBINE
-    default: fail(std::string("matvec_experts_combine: unsupported weight type ") + tname(w.type));
-  }
+  with_quant_type(w.type, "matvec_experts_combine", [&](auto T) {
+    mmvq_combine_kernel<decltype(T)::value, 8><<<grid, kMvWarps * 32, 0, st>>>(a, wts, k);
+  });
   launched("matvec_experts_combine");
 }
 
@@ -2549,19 +2497,8 @@ bool router_topk(const DevMatrix& router, const float* x, int n_tokens, float* l
   if (router.type != DType::F32 || router.n_mats != 1 || router.rows > 512 || n_tokens < 1 ||
       n_tokens > kMaxVecTokens)
     return false;
-  check_weight(router, "router_topk");
   if (k <= 0 || k > router.rows || k > 32) fail("router_topk: bad k (at most 32 experts per token)");
-  MvArgs a{};
-  a.w = router.data;
-  a.row_bytes = router.row_bytes;
-  a.mat_bytes = router.mat_bytes;
-  a.rows = router.rows;
-  a.cols = router.cols;
-  a.acts = reinterpret_cast<const uint8_t*>(x);
-  a.act_stride = row_bytes(DType::F32, router.cols);
-  a.n_tokens = n_tokens;
-  a.y = logits;
-  a.ld_y = router.rows;
+  const MvArgs a = mv_args(router, x, n_tokens, logits, router.rows, "router_topk");
   const bool vec = aligned(router.data, 16) && router.row_bytes % 16 == 0 && aligned(x, 16) && a.act_stride % 16 == 0;
   const size_t smem = static_cast<size_t>(kMvWarps) * router.rows * sizeof(float);
   const dim3 grid(static_cast<unsigned>(router.rows));
