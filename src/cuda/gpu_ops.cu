@@ -952,7 +952,7 @@ __global__ void residual_norm_kernel(float* x, const float* __restrict__ y, cons
         s += static_cast<double>(__fmul_rn(v, v));
 #pragma unroll
         for (int q = 0; q < kKeep; ++q)
-          if (q == c + u) xs[q] = v;  // (resolved at compile time when the loops unroll)
+          if (q == c + u) xs[q] = v;  // a constant index per q, so xs stays in registers
       }
     }
   }
@@ -1147,7 +1147,7 @@ struct AttnArgs {
   float scale;
   float* out;
   int64_t ld_out;
-  // decode (split-K) only
+  // decode only (keys_max for both variants; the rest for split-K)
   int keys_max;
   int L_max;      // longest split the launch allows for (shared memory sizing)
   int n_splits;   // splits launched (grid.x) and the stride of st_m / st_l / opart
@@ -1158,7 +1158,7 @@ struct AttnArgs {
   bool v_vec;     // V rows can be read in 16-byte vectors
 };
 
-constexpr int kDecodeMaxTokens = 8;    // attention with at most this many queries uses split-K
+constexpr int kDecodeMaxTokens = 8;    // attention with at most this many queries uses a decode kernel
 constexpr int kMaxSplits = 128;
 constexpr int kDecThreads = 128;
 
@@ -1405,8 +1405,9 @@ __global__ void attn_dec_combine_kernel(const AttnArgs a) {
 
 
 // Decode with a short cache (at most kShortKeys visible keys): everything in one launch, one CTA per
-// (query head, token), the scores in shared memory. The same arithmetic as the three split-K passes
-// with a single split: canonical scores, max, sum of exp in double, P = cache_type(exp(s - max) / sum),
+// (query head, token), the scores in shared memory. The same formulas as the three split-K passes
+// with a single split (the sums run in another order, so the last bits may differ): canonical scores,
+// max, sum of exp in double, P = cache_type(exp(s - max) / sum),
 // then V^T.P with lanes over the keys.
 constexpr int kShortKeys = 2048;
 constexpr int kShortThreads = 256;
@@ -2043,7 +2044,7 @@ __device__ void route_topk_warp(const float* logits, int n_expert, int k, int32_
       }
     }
     if ((j & 31) == lane) my_w = bv, my_i = bi;  // choice j stays in a register of lane j % 32
-    if (lane == 0) p[bi] = -2.0f;                 // taken
+    if (lane == 0 && bi < n_expert) p[bi] = -2.0f;  // taken (NaN logits leave bi out of range)
     __syncwarp();
   }
   // Renormalise: the chosen weights summed in choice order (in double), then each lane writes its own.
@@ -2436,9 +2437,10 @@ void kv_store(const DevKv& kv, const int32_t* pos, int n_tokens, const float* k,
   launched("kv_store");
 }
 
+int attention_decode_variant(int n_keys) { return n_keys <= kShortKeys ? 0 : 1; }
+
 // Enough for any call with up to n_tokens queries: only calls of <= kDecodeMaxTokens use scratch (the
 // split-K decode path), and its size grows with the token count.
-int attention_decode_variant(int n_keys) { return n_keys <= kShortKeys ? 0 : 1; }
 
 size_t attention_scratch_bytes(int n_tokens, int n_kv_max, int n_head, int head_dim_v) {
   if (n_tokens <= 0) return 0;

@@ -132,7 +132,7 @@ void attention(const float* q, int64_t ld_q, const DevKv& kv, int pos0, const in
                int n_kv_max, int n_head, int n_head_kv, int head_dim, int head_dim_v, float scale, float* out,
                int64_t ld_out, void* scratch, size_t scratch_bytes, Stream s);
 size_t attention_scratch_bytes(int n_tokens, int n_kv_max, int n_head, int head_dim_v);
-// Decode attention has two kernels: one launch for up to a few thousand visible keys, split-K beyond.
+// Decode attention has two kernels: one launch for up to 2048 visible keys, split-K beyond.
 // A launch captured in a CUDA graph keeps its variant, so a graph captured when n_keys (pos0 + n_tokens)
 // had one variant must be captured again when it changes.
 int attention_decode_variant(int n_keys);
@@ -144,6 +144,7 @@ void busy_wait(int microseconds, Stream s);
 // ---- routing --------------------------------------------------------------------------------------
 // Per token: softmax over n_expert logits, top-k (larger first, lower index on ties), weights
 // renormalised with the sum clamped at 6.1e-5, as cpu::route_softmax_topk. ids/weights [n_tokens][k].
+// (k at most 32, as for residual_norm's combination.)
 void route_topk(const float* logits, int n_tokens, int n_expert, int k, int32_t* ids, float* weights, Stream s);
 // The router's product and route_topk in one launch, for an F32 router of at most 512 experts and at
 // most kMaxVecTokens tokens (x: f32 rows of router.cols values; logits [n_tokens][router.rows]); the

@@ -244,6 +244,9 @@ class Qwen3Gpu final : public GpuRunner {
   Qwen3Gpu(const Qwen3Weights& w, const ModelConfig& c, const Plan& plan, const LoadOptions& opt)
       : w_(w), c_(c), plan_(plan), mem_(plan.budget - plan.reserve), ubatch_(std::max(1, plan.options.n_ubatch)),
         chunk_experts_(std::max(1, plan.options.prefill_chunk_experts)) {
+    if (c.n_expert_used > 32)
+      throw Error("the GPU engine routes at most 32 experts per token; this model uses " +
+                  std::to_string(c.n_expert_used) + " (use --gpu none)");
     stream_ = gpu::create_stream();
     upload_all(opt);
   }
@@ -716,8 +719,9 @@ class Qwen3Gpu final : public GpuRunner {
   }
 
   // Decode steps replay CUDA graphs: one per stretch of GPU work between two points where the CPU
-  // must act (the host experts of a hybrid layer). Captured at the first step of a state; positions,
-  // tokens and expert choices live in device memory, so the same graphs serve every later step.
+  // must act (the host experts of a hybrid layer). Captured at the first step of a state, and again
+  // when the decode attention variant changes with the cache length; positions, tokens and expert
+  // choices live in device memory, so the same graphs serve every step in between.
   class Segments {
    public:
     Segments(std::vector<void*>& graphs, void* stream) : graphs_(graphs), stream_(stream) {}

@@ -125,6 +125,7 @@ uint64_t gpu_scratch_bytes(const ModelConfig& cfg, int n_ubatch, int n_ctx, uint
   const uint64_t vec_tokens = std::min<uint64_t>(U, 8);               // gpu::kMaxVecTokens
   buf(std::max<uint64_t>({n, qw, aw, ff}) * (cfg.n_expert ? vec_tokens * k : vec_tokens) * 4);  // matvec activations
   if (n % 256 == 0) buf(n / 256 * 292 * vec_tokens);  // the normed input in Q8_K (residual_norm writes it)
+  buf(4);  // router_topk's completion counter
   buf((cfg.n_expert ? vec_tokens * k : vec_tokens) * n * 4);                                   // CPU experts' rows
   buf(64 * MiB);                                                       // dequantized weight tiles
   // Attention: only the split-K decode path (<= 8 queries) keeps per-split partials.

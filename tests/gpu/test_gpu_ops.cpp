@@ -34,7 +34,7 @@ using namespace test;
 
 class GpuOps : public GpuTest {
  protected:
-  void residual_norm_case(int k);
+  void residual_norm_case(int k, int n);
 };
 
 // Activation rows in the weight's activation format, converted on the host by the reference.
@@ -579,12 +579,13 @@ TEST_F(GpuOps, RopeNeox) {
 // which the tests above hold against the CPU reference.
 TEST_F(GpuOps, ResidualNormEqualsAddCombineAndNorm) {
   // n = 2560: rows that end part way through the kernel's batched loads. k = 8 and the generic path.
-  for (int k : {8, 10}) residual_norm_case(k);
+  for (int k : {8, 10}) residual_norm_case(k, 2560);
+  residual_norm_case(8, 5120);  // wider than the rows kept in registers (4096 values)
 }
 
-void GpuOps::residual_norm_case(int k) {
-  SCOPED_TRACE("k " + std::to_string(k));
-  const int n = 2560, rows = 3;
+void GpuOps::residual_norm_case(int k, int n) {
+  SCOPED_TRACE("k " + std::to_string(k) + " n " + std::to_string(n));
+  const int rows = 3;
   std::vector<float> x = randn(static_cast<size_t>(n) * rows, 301, 2.0f), y = randn(static_cast<size_t>(n) * rows, 302);
   std::vector<float> ey = randn(static_cast<size_t>(n) * rows * k, 303), wts = randn(static_cast<size_t>(rows) * k, 304, 0.3f);
   std::vector<float> w = randn(n, 305);
@@ -911,6 +912,12 @@ TEST_F(GpuOps, AttentionDecode) {
   run_attention_case(s(), [this] { sync(); }, {16, 4, 128, 128, DType::F32, 2000, 1, false}, seed++); // f32 cache
   run_attention_case(s(), [this] { sync(); }, {16, 4, 128, 128, DType::F16, 100, 3, false}, seed++);  // small batch
   run_attention_case(s(), [this] { sync(); }, {16, 2, 72, 72, DType::F16, 40, 8, true}, seed++);      // dim 72 (padded)
+  // Caches past the one-launch kernel's 2048 keys take the split-K kernels: the same shapes there.
+  run_attention_case(s(), [this] { sync(); }, {8, 8, 64, 64, DType::F16, 2100, 1, false}, seed++);    // MHA, dim 64
+  run_attention_case(s(), [this] { sync(); }, {32, 4, 256, 256, DType::F16, 2500, 1, true}, seed++);  // dim 256
+  run_attention_case(s(), [this] { sync(); }, {16, 4, 128, 128, DType::F32, 3000, 1, false}, seed++); // f32 cache
+  run_attention_case(s(), [this] { sync(); }, {16, 4, 128, 128, DType::F16, 2046, 3, false}, seed++); // 2049 keys
+  run_attention_case(s(), [this] { sync(); }, {16, 2, 72, 72, DType::F16, 2200, 8, true}, seed++);    // dim 72, 8 tokens
 }
 
 TEST_F(GpuOps, AttentionPrefill) {
