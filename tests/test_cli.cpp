@@ -162,5 +162,11 @@ TEST(Cli, GenModelWritesALoadableModel) {
   auto j = nlohmann::json::parse(b.out);
   ASSERT_EQ(j.size(), 2u);
   EXPECT_GT(j[1]["avg_ts"].get<double>(), 0);
+  // Generation is reported against its bound: bytes per token over the measured host bandwidth.
+  EXPECT_GT(j[1]["tg_bound"].get<double>(), 0);
+  auto t = run_fitmoe("bench -m " + p + " -p 0 -n 2 -r 1");
+  ASSERT_EQ(t.code, 0) << t.err;
+  EXPECT_NE(t.out.find("bound t/s (reached)"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("%)"), std::string::npos) << t.out;
   std::remove(p.c_str());
 }
