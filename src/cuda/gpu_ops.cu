@@ -2221,14 +2221,21 @@ void matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_
 void matvec_multi(const DevMatrix* const* ws, float* const* ys, const int64_t* ld_ys, int n, const void* acts,
                   int n_tokens, Stream s) {
   if (n <= 0 || n_tokens <= 0) return;
-  if (n == 1) return matvec(*ws[0], acts, n_tokens, ys[0], ld_ys[0], s);
+  if (n == 1 || is_float_type(ws[0]->type)) {  // float weights: one launch each
+    for (int i = 0; i < n; ++i) {
+      if (ws[i]->type != ws[0]->type || ws[i]->cols != ws[0]->cols)
+        fail("matvec_multi: the matrices must be of one type and width");
+      matvec(*ws[i], acts, n_tokens, ys[i], ld_ys[i], s);
+    }
+    return;
+  }
   if (n > kMaxMatvecs) fail("matvec_multi: at most " + std::to_string(kMaxMatvecs) + " matrices");
   if (n_tokens > kMaxVecTokens) fail("matvec_multi: at most kMaxVecTokens tokens");
   const DevMatrix& w0 = *ws[0];
   for (int i = 0; i < n; ++i) {
     check_weight(*ws[i], "matvec_multi");
-    if (ws[i]->type != w0.type || ws[i]->cols != w0.cols || ws[i]->n_mats != 1 || is_float_type(w0.type))
-      fail("matvec_multi: the matrices must be single quantized matrices of one type and width");
+    if (ws[i]->type != w0.type || ws[i]->cols != w0.cols || ws[i]->n_mats != 1)
+      fail("matvec_multi: the matrices must be single matrices of one type and width");
   }
   MvArgs a = mv_args(w0, acts, n_tokens, ys[0], ld_ys[0], "matvec_multi");
   a.n_seg = n;

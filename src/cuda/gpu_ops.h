@@ -67,9 +67,9 @@ void quantize_acts(DType act, const float* x, int64_t n, int rows, int64_t ld_x,
 // y[t * ld_y + r] = W[r] . x[t] for t < n_tokens <= kMaxVecTokens, acts already converted to
 // dtype_info(w.type).act_type (rows act_bytes(act, w.cols, 1) apart).
 void matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_t ld_y, Stream s);
-// Several matrices of one quantized type and width on the same activations, in one launch (e.g. the
-// q, k and v projections): y_i = W_i x for i < n (at most 4), each output with its own ld. The same
-// per-row results as n calls of matvec.
+// Several matrices of one type and width on the same activations (e.g. the q, k and v projections):
+// y_i = W_i x for i < n (at most 4 quantized ones, in one launch; float ones one launch each), each
+// output with its own ld. The same per-row results as n calls of matvec.
 void matvec_multi(const DevMatrix* const* ws, float* const* ys, const int64_t* ld_ys, int n, const void* acts,
                   int n_tokens, Stream s);
 

@@ -16,14 +16,14 @@
 // PCIe link never waits for the routing.
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <climits>
+#include <cmath>
 #include <cstdio>
-#include <map>
-#include <string>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <numeric>
+#include <string>
 
 #include "cuda/device.h"
 #include "cuda/gpu_ops.h"
@@ -531,7 +531,7 @@ class Qwen3Gpu final : public GpuRunner {
         else
           rest.push_back(p);
       }
-      // Those of one quantized weight type go in one launch; the others one by one.
+      // Those of one weight type in one call (one launch for quantized types).
       while (!same.empty()) {
         const DType t = same.front()->w->dev.type;
         std::vector<const gpu::DevMatrix*> ws;
@@ -539,7 +539,7 @@ class Qwen3Gpu final : public GpuRunner {
         std::vector<int64_t> lds;
         std::vector<const Product*> later;
         for (const Product* p : same) {
-          if (p->w->dev.type == t && (ws.empty() || !is_float_type(t))) {
+          if (p->w->dev.type == t) {
             ws.push_back(&p->w->dev);
             ys.push_back(p->y);
             lds.push_back(p->ld_y);

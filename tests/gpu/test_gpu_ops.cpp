@@ -253,7 +253,6 @@ TEST_F(GpuOps, MatvecMultiEqualsSeparateMatvecs) {
   const int64_t cols = 512;
   const int64_t rows[3] = {96, 20, 33};
   for (DType t : kWeightTypes) {
-    if (is_float_type(t)) continue;
     for (int nt : {1, 3}) {
       SCOPED_TRACE(std::string(dtype_name(t)) + " tokens " + std::to_string(nt));
       std::vector<float> x = randn(static_cast<size_t>(cols) * nt, 451, 0.5f);
