@@ -21,11 +21,13 @@
 #include <mma.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdlib>
 #include <cmath>
 #include <type_traits>
 #include <string>
+#include <utility>
 
 #include "cuda/blocks.cuh"
 #include "cuda/kernel_util.h"
@@ -57,7 +59,66 @@ void need_smem(K kernel, size_t bytes, const char* what) {
   need_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes, what);
 }
 
+// Programmatic dependent launch (PDL; compute capability 9.0 and kernels built for it, else a plain
+// launch): a decode step is a chain of ~12 dependent kernels per layer whose cost is latency, so each
+// kernel is let start while the one before it finishes: its CTAs get resident, prefetch their weights
+// into L2, and wait (griddepcontrol.wait) until the earlier kernel has finished and its writes are
+// visible. The contract for every kernel launched through launch(): before pdl_enter() it reads only
+// kernel arguments and memory that no kernel writes (weights, norm weights), and issues only L2
+// prefetches otherwise (a prefetch cannot change what a later load sees). pdl_enter() is reached by at
+// least one thread of the grid, so a kernel never finishes before the one it follows; that makes the
+// ordering transitive along the stream. FITMOE_PDL=0 turns it off (for comparison).
+std::atomic<bool> g_pdl_allowed{true};  // set_dependent_launch
+bool pdl_supported() {
+  static const bool ok = [] {
+    const char* env = std::getenv("FITMOE_PDL");
+    if (env && std::string(env) == "0") return false;
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return false;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
+    return major >= 9;
+  }();
+  return ok;
+}
+bool pdl_on() { return g_pdl_allowed.load(std::memory_order_relaxed) && pdl_supported(); }
+
+// Launches kernel<<<grid, block, smem, s>>>(args...), with PDL when the device and the kernel's code
+// (its PTX version: pdl_enter() is compiled in only for sm_90 and up) allow it. Errors surface at the
+// caller's launched().
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  if (pdl_on() && kernel_ptx_version(reinterpret_cast<const void*>(kernel), "kernel launch") >= 90) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
 // ================================ device-side helpers =============================================
+
+// PDL (see launch()): wait until the kernel before this one has finished, then let the next one start.
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Hints bytes [p, p + n) into L2, 128-byte lines first, first + stride, ... (a hint: never a fault, and
+// never a change to what a later load returns).
+__device__ __forceinline__ void prefetch_l2(const void* p, size_t n, int first, int stride) {
+  const char* c = static_cast<const char*>(p);
+  for (size_t off = static_cast<size_t>(first) * 128; off < n; off += static_cast<size_t>(stride) * 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
+}
 // (The weight block decoders and the small load / conversion helpers are in cuda/blocks.cuh, shared with
 // moe_gemm.cu.)
 
@@ -200,24 +261,31 @@ template <DType T, int NT, int R, bool GLU = false>
 __global__ void __launch_bounds__(kMvWarps * 32) mmvq_kernel(const MvArgs a) {
   using W = WT<T>;
   constexpr int P = W::kQK / 32;
+  int sg = -1;  // matvec_multi: this CTA's segment
+  unsigned bx = blockIdx.x;
+  if (a.n_seg) {
+    sg = 0;
+    while (sg + 1 < a.n_seg && bx >= a.seg_cta[sg + 1]) ++sg;
+    bx -= a.seg_cta[sg];
+  }
+  const int64_t rows = sg >= 0 ? a.seg_rows[sg] : a.rows;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row0 = (static_cast<int64_t>(bx) * kMvWarps + warp) * R;
+  if (!a.ids && row0 < rows)  // dense weights are known before the input is: fetch them meanwhile
+    prefetch_l2((sg >= 0 ? a.seg_w[sg] : a.w) + row0 * a.row_bytes, (rows - row0 < R ? rows - row0 : R) * a.row_bytes,
+                lane, 32);
+  pdl_enter();
   const uint8_t* wm;
   const uint8_t* acts;
   float* y;
   if (!mv_slot(a, wm, acts, y)) return;
   const uint8_t* wm2 = GLU ? a.w2 + (wm - a.w) : nullptr;
-  int64_t rows = a.rows, ld_y = a.ld_y;
-  unsigned bx = blockIdx.x;
-  if (a.n_seg) {
-    int sg = 0;
-    while (sg + 1 < a.n_seg && bx >= a.seg_cta[sg + 1]) ++sg;
-    bx -= a.seg_cta[sg];
+  int64_t ld_y = a.ld_y;
+  if (sg >= 0) {
     wm = a.seg_w[sg];
     y = a.seg_y[sg];
-    rows = a.seg_rows[sg];
     ld_y = a.seg_ld[sg];
   }
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row0 = (static_cast<int64_t>(bx) * kMvWarps + warp) * R;
   if (row0 >= rows) return;
   const int nt = a.n_tokens;
   const int64_t nparts = a.cols / 32;
@@ -371,12 +439,14 @@ __device__ __forceinline__ void float_row_partial(const uint8_t* wr, const uint8
 
 template <typename E, int NT, bool VEC>
 __global__ void __launch_bounds__(kMvWarps * 32) mv_float_kernel(const MvArgs a) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kMvWarps + warp;
+  if (!a.ids && row < a.rows) prefetch_l2(a.w + row * a.row_bytes, a.row_bytes, lane, 32);
+  pdl_enter();
   const uint8_t* wm;
   const uint8_t* acts;
   float* y;
   if (!mv_slot(a, wm, acts, y)) return;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kMvWarps + warp;
   if (row >= a.rows) return;
   const int nt = a.n_tokens;
   const int64_t n = a.cols;
@@ -397,12 +467,14 @@ __global__ void __launch_bounds__(kMvWarps * 32) mv_float_kernel(const MvArgs a)
 template <typename E, int NT, bool VEC>
 __device__ __forceinline__ void mv_float_split_body(const MvArgs& a) {
   __shared__ float part[kMvWarps][NT];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
+  const int64_t row = blockIdx.x;
+  if (!a.ids) prefetch_l2(a.w + row * a.row_bytes, a.row_bytes, tid, kMvWarps * 32);
+  pdl_enter();
   const uint8_t* wm;
   const uint8_t* acts;
   float* y;
   if (!mv_slot(a, wm, acts, y)) return;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
-  const int64_t row = blockIdx.x;
   const int nt = a.n_tokens;
   const int64_t n = a.cols;
   const uint8_t* wr = wm + row * a.row_bytes;
@@ -434,6 +506,7 @@ __global__ void __launch_bounds__(kMvWarps * 32) mmvq_combine_kernel(const MvArg
                                                                      int k) {
   using W = WT<T>;
   constexpr int P = W::kQK / 32;
+  pdl_enter();
   const int t = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kMvWarps + warp;
   if (row >= a.rows) return;
@@ -494,13 +567,13 @@ void launch_mvq_nt(const MvArgs& a0, unsigned n_slots, cudaStream_t s) {
     for (int i = 0; i < a.n_seg; ++i) a.seg_cta[i + 1] = a.seg_cta[i] + blocks_for(a.seg_rows[i], kMvWarps * R);
     ctas = a.seg_cta[a.n_seg];
   }
-  mmvq_kernel<T, NT, R><<<dim3(ctas, n_slots), kMvWarps * 32, 0, s>>>(a);
+  launch(mmvq_kernel<T, NT, R>, dim3(ctas, n_slots), kMvWarps * 32, 0, s, a);
 }
 template <DType T>
 void launch_mvq(const MvArgs& a, unsigned n_slots, cudaStream_t s) {
   if (a.w2) {  // gated experts: one token per slot
     const dim3 grid(blocks_for(a.rows, kMvWarps), n_slots);
-    mmvq_kernel<T, 1, 1, true><<<grid, kMvWarps * 32, 0, s>>>(a);
+    launch(mmvq_kernel<T, 1, 1, true>, grid, kMvWarps * 32, 0, s, a);
     return;
   }
   if (a.n_tokens <= 1) launch_mvq_nt<T, 1>(a, n_slots, s);
@@ -512,17 +585,17 @@ template <typename E, bool VEC>
 void launch_mvf_v(const MvArgs& a, unsigned n_slots, cudaStream_t s) {
   if (a.rows <= 512) {  // few rows: split the columns (one CTA per row)
     const dim3 grid(static_cast<unsigned>(a.rows), n_slots);
-    if (a.n_tokens <= 1) mv_float_split_kernel<E, 1, VEC><<<grid, kMvWarps * 32, 0, s>>>(a);
-    else if (a.n_tokens <= 2) mv_float_split_kernel<E, 2, VEC><<<grid, kMvWarps * 32, 0, s>>>(a);
-    else if (a.n_tokens <= 4) mv_float_split_kernel<E, 4, VEC><<<grid, kMvWarps * 32, 0, s>>>(a);
-    else mv_float_split_kernel<E, 8, VEC><<<grid, kMvWarps * 32, 0, s>>>(a);
+    if (a.n_tokens <= 1) launch(mv_float_split_kernel<E, 1, VEC>, grid, kMvWarps * 32, 0, s, a);
+    else if (a.n_tokens <= 2) launch(mv_float_split_kernel<E, 2, VEC>, grid, kMvWarps * 32, 0, s, a);
+    else if (a.n_tokens <= 4) launch(mv_float_split_kernel<E, 4, VEC>, grid, kMvWarps * 32, 0, s, a);
+    else launch(mv_float_split_kernel<E, 8, VEC>, grid, kMvWarps * 32, 0, s, a);
     return;
   }
   const dim3 grid(blocks_for(a.rows, kMvWarps), n_slots);
-  if (a.n_tokens <= 1) mv_float_kernel<E, 1, VEC><<<grid, kMvWarps * 32, 0, s>>>(a);
-  else if (a.n_tokens <= 2) mv_float_kernel<E, 2, VEC><<<grid, kMvWarps * 32, 0, s>>>(a);
-  else if (a.n_tokens <= 4) mv_float_kernel<E, 4, VEC><<<grid, kMvWarps * 32, 0, s>>>(a);
-  else mv_float_kernel<E, 8, VEC><<<grid, kMvWarps * 32, 0, s>>>(a);
+  if (a.n_tokens <= 1) launch(mv_float_kernel<E, 1, VEC>, grid, kMvWarps * 32, 0, s, a);
+  else if (a.n_tokens <= 2) launch(mv_float_kernel<E, 2, VEC>, grid, kMvWarps * 32, 0, s, a);
+  else if (a.n_tokens <= 4) launch(mv_float_kernel<E, 4, VEC>, grid, kMvWarps * 32, 0, s, a);
+  else launch(mv_float_kernel<E, 8, VEC>, grid, kMvWarps * 32, 0, s, a);
 }
 template <typename E>
 void launch_mvf(const MvArgs& a, unsigned n_slots, bool vec, cudaStream_t s) {
@@ -637,6 +710,7 @@ void launch_matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y,
 template <bool Q81>
 __global__ void quant_q8_kernel(const float* __restrict__ x, int64_t n, int rows, int64_t ld_x, uint8_t* __restrict__ dst,
                                 size_t stride) {
+  pdl_enter();
   const int64_t nb = n / 32;
   const int64_t gb = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (gb >= nb * rows) return;
@@ -714,6 +788,7 @@ __device__ __forceinline__ void quantize_q8k_block(const float* xb, uint8_t* blk
 
 __global__ void quant_q8k_kernel(const float* __restrict__ x, int64_t n, int rows, int64_t ld_x, uint8_t* __restrict__ dst,
                                  size_t stride) {
+  pdl_enter();
   const int64_t nb = n / 256;
   const int64_t gb = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
   if (gb >= nb * rows) return;
@@ -868,6 +943,7 @@ constexpr int kNormUnroll = 4;
 
 __global__ void rms_norm_kernel(const float* x, const float* __restrict__ w, float* y, int n, float eps, int64_t ld_x,
                                 int64_t ld_y) {
+  pdl_enter();
   __shared__ double part[32];
   const int r = blockIdx.x, tid = threadIdx.x, nth = blockDim.x;
   const float* xr = x + r * ld_x;
@@ -912,6 +988,7 @@ __global__ void residual_norm_kernel(float* x, const float* __restrict__ y, cons
 #pragma unroll
     for (int u = 0; u < kKeep; ++u) wv[u] = tid + u * nth < n ? w[tid + u * nth] : 0.0f;
   }
+  pdl_enter();  // (the norm weights above are never written)
   if constexpr (MAXK > 0) {
     // The row of each slot, looked up once (ids -> slot_of -> source) rather than per element; without
     // host rows slot j's row is simply row j of ey.
@@ -982,11 +1059,13 @@ __global__ void residual_norm_kernel(float* x, const float* __restrict__ y, cons
 }
 
 __global__ void add_kernel(float* x, const float* __restrict__ y, int64_t n) {
+  pdl_enter();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) x[i] = __fadd_rn(x[i], y[i]);
 }
 
 __global__ void swiglu_kernel(const float* gate, const float* up, float* out, int64_t n) {
+  pdl_enter();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const float g = gate[i];
@@ -1076,6 +1155,7 @@ __global__ void qk_norm_rope_store_kernel(float* q, int64_t ld_q, const float* _
                                           const float* __restrict__ k_norm, T* __restrict__ kc, T* __restrict__ vc,
                                           int n_ctx, const int32_t* __restrict__ pos, int n_head, int n_head_kv, int hd,
                                           int hdv, int n_rot, float theta_scale, float freq_scale, float eps) {
+  pdl_enter();
   extern __shared__ float sh[];  // [hd] normed head, [n_rot] cos / sin table
   __shared__ double part[32];
   const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;
@@ -1241,6 +1321,7 @@ __device__ __forceinline__ float dot_key_quad(const float2 (&kv)[MAXM][2], const
 // (load_key_quad / dot_key_quad), then the split's max and sum of exp(s - max) per head.
 template <typename T, int MAXM>
 __global__ void __launch_bounds__(kDecThreads) attn_dec_scores_kernel(const AttnArgs a) {
+  pdl_enter();
   extern __shared__ float qs[];  // [group][hdp]
   const int sp = blockIdx.x, g = blockIdx.y, t = blockIdx.z, tid = threadIdx.x;
   const int nvis = min(attn_pos0(a) + t + 1, a.keys_max);
@@ -1297,6 +1378,7 @@ __global__ void __launch_bounds__(kDecThreads) attn_dec_scores_kernel(const Attn
 // for the split's keys, and the split's partial V^T.P (or the output itself with one split).
 template <typename T>
 __global__ void __launch_bounds__(kDecThreads) attn_dec_pv_kernel(const AttnArgs a) {
+  pdl_enter();
   extern __shared__ float P[];  // [group][L]
   const int sp = blockIdx.x, g = blockIdx.y, t = blockIdx.z, tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
@@ -1390,6 +1472,7 @@ __global__ void __launch_bounds__(kDecThreads) attn_dec_pv_kernel(const AttnArgs
 
 // Decode pass 3: out = sum of the active splits' partial outputs, in split order.
 __global__ void attn_dec_combine_kernel(const AttnArgs a) {
+  pdl_enter();
   const int h = blockIdx.x, t = blockIdx.y;
   const int nvis = min(attn_pos0(a) + t + 1, a.keys_max);
   const int L = dec_split_len(a);
@@ -1414,6 +1497,22 @@ constexpr int kShortThreads = 256;
 
 template <typename T, int MAXM>
 __global__ void __launch_bounds__(kShortThreads) attn_dec_short_kernel(const AttnArgs a) {
+  {
+    // While the kernel before finishes, the group's cached keys and values (earlier positions: written
+    // by earlier steps) go into L2, spread over the group's CTAs. The position is in memory a copy
+    // before the step's first kernel wrote.
+    const int g = blockIdx.x / a.group, first = (blockIdx.x % a.group) * kShortThreads + threadIdx.x;
+    const int stride = a.group * kShortThreads, nvis = min(attn_pos0(a) + 1, kShortKeys);
+    const size_t key_bytes = static_cast<size_t>(a.hd) * sizeof(T), row_bytes = static_cast<size_t>(a.n_head_kv) * key_bytes;
+    const int lines_k = static_cast<int>((key_bytes + 127) / 128), lines_v = static_cast<int>((nvis * sizeof(T) + 127) / 128);
+    const uint8_t* kb = a.k + static_cast<size_t>(g) * key_bytes;
+    const uint8_t* vb = a.v + static_cast<size_t>(g) * a.hdv * a.n_ctx * sizeof(T);
+    for (int i = first; i < nvis * lines_k; i += stride)
+      prefetch_l2(kb + static_cast<size_t>(i / lines_k) * row_bytes + (i % lines_k) * 128, 1, 0, 1);
+    for (int i = first; i < a.hdv * lines_v; i += stride)
+      prefetch_l2(vb + static_cast<size_t>(i / lines_v) * a.n_ctx * sizeof(T) + (i % lines_v) * 128, 1, 0, 1);
+  }
+  pdl_enter();
   __shared__ float S[kShortKeys];
   __shared__ __align__(16) float qs[16 * MAXM];
   __shared__ float red_f[kShortThreads / 32];
@@ -1947,8 +2046,8 @@ void launch_attention(AttnArgs& a, void* scratch, size_t scratch_bytes, cudaStre
   if (a.n_tokens <= kDecodeMaxTokens && a.pos0 + a.n_tokens <= kShortKeys && a.hdp <= 256) {
     a.v_vec = aligned(a.v, 16) && (a.n_ctx * sizeof(T)) % 16 == 0;
     const dim3 grid(a.n_head, a.n_tokens);
-    if (a.hdp <= 128) attn_dec_short_kernel<T, 8><<<grid, kShortThreads, 0, s>>>(a);
-    else attn_dec_short_kernel<T, 16><<<grid, kShortThreads, 0, s>>>(a);
+    if (a.hdp <= 128) launch(attn_dec_short_kernel<T, 8>, grid, kShortThreads, 0, s, a);
+    else launch(attn_dec_short_kernel<T, 16>, grid, kShortThreads, 0, s, a);
     launched("attention (decode, short cache)");
   } else if (a.n_tokens <= kDecodeMaxTokens) {
     const DecodeLayout d = decode_layout(a.n_tokens, a.keys_max, a.n_head, a.hdv);
@@ -1966,18 +2065,18 @@ void launch_attention(AttnArgs& a, void* scratch, size_t scratch_bytes, cudaStre
     const size_t smem1 = static_cast<size_t>(a.group) * a.hdp * sizeof(float);
     if (a.hdp <= 128) {
       need_smem(attn_dec_scores_kernel<T, 8>, smem1, "attention");
-      attn_dec_scores_kernel<T, 8><<<grid, kDecThreads, smem1, s>>>(a);
+      launch(attn_dec_scores_kernel<T, 8>, grid, kDecThreads, smem1, s, a);
     } else {
       need_smem(attn_dec_scores_kernel<T, 16>, smem1, "attention");
-      attn_dec_scores_kernel<T, 16><<<grid, kDecThreads, smem1, s>>>(a);
+      launch(attn_dec_scores_kernel<T, 16>, grid, kDecThreads, smem1, s, a);
     }
     launched("attention (scores)");
     const size_t smem2 = static_cast<size_t>(a.group) * d.L_max * sizeof(float);
     need_smem(attn_dec_pv_kernel<T>, smem2, "attention");
-    attn_dec_pv_kernel<T><<<grid, kDecThreads, smem2, s>>>(a);
+    launch(attn_dec_pv_kernel<T>, grid, kDecThreads, smem2, s, a);
     launched("attention (P.V)");
     if (d.n_splits > 1) {
-      attn_dec_combine_kernel<<<dim3(a.n_head, a.n_tokens), 128, 0, s>>>(a);
+      launch(attn_dec_combine_kernel, dim3(a.n_head, a.n_tokens), 128, 0, s, a);
       launched("attention (combine)");
     }
   } else if (std::is_same_v<T, __half> && !std::getenv("FITMOE_ATTN_CUDA_CORES") && tc_attention_ok(a)) {
@@ -2059,6 +2158,7 @@ __device__ void route_topk_warp(const float* logits, int n_expert, int k, int32_
 
 __global__ void route_topk_kernel(const float* __restrict__ logits, int n_expert, int k, int32_t* __restrict__ ids,
                                   float* __restrict__ weights) {
+  pdl_enter();
   extern __shared__ float p[];  // [n_expert]
   route_topk_warp(logits, n_expert, k, ids, weights, blockIdx.x, p);
 }
@@ -2086,6 +2186,7 @@ __global__ void __launch_bounds__(kMvWarps * 32) router_topk_kernel(const MvArgs
 
 __global__ void moe_combine_kernel(const float* __restrict__ y, const float* __restrict__ w, int k, int n,
                                    float* __restrict__ out) {
+  pdl_enter();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   const int t = blockIdx.y;
   if (i >= n) return;
@@ -2099,6 +2200,9 @@ __global__ void moe_combine_kernel(const float* __restrict__ y, const float* __r
 }  // namespace
 
 // ================================ public API ======================================================
+
+void set_dependent_launch(bool allowed) { g_pdl_allowed = allowed; }
+bool dependent_launch_active() { return pdl_on(); }
 
 namespace {
 __global__ void busy_wait_kernel(long long cycles) {
@@ -2135,7 +2239,7 @@ void embed_rows(const DevMatrix& table, const int32_t* ids, int n, float* out, S
 void rms_norm(const float* x, const float* w, float* y, int n, int rows, float eps, int64_t ld_x, int64_t ld_y,
               Stream s) {
   if (rows <= 0) return;
-  rms_norm_kernel<<<rows, kNormThreads, 0, cs(s)>>>(x, w, y, n, eps, ld_x, ld_y);
+  launch(rms_norm_kernel, rows, kNormThreads, 0, cs(s), x, w, y, n, eps, ld_x, ld_y);
   launched("rms_norm");
 }
 
@@ -2150,22 +2254,22 @@ void residual_norm(float* x, const float* y, const float* ey, const float* wts, 
     fail("residual_norm: the Q8_K copy needs xn, rows a multiple of 256 values and 4-byte alignment");
   const cudaStream_t st = cs(s);
   uint8_t* q = static_cast<uint8_t*>(xq);
-  if (!ey) residual_norm_kernel<0><<<rows, kNormThreads, 0, st>>>(x, y, ey, wts, k, ey_host, ids, slot_of, w, xn, q, n, eps);
-  else if (k <= 8) residual_norm_kernel<8><<<rows, kNormThreads, 0, st>>>(x, y, ey, wts, k, ey_host, ids, slot_of, w, xn, q, n, eps);
-  else if (k <= 32) residual_norm_kernel<32><<<rows, kNormThreads, 0, st>>>(x, y, ey, wts, k, ey_host, ids, slot_of, w, xn, q, n, eps);
+  if (!ey) launch(residual_norm_kernel<0>, rows, kNormThreads, 0, st, x, y, ey, wts, k, ey_host, ids, slot_of, w, xn, q, n, eps);
+  else if (k <= 8) launch(residual_norm_kernel<8>, rows, kNormThreads, 0, st, x, y, ey, wts, k, ey_host, ids, slot_of, w, xn, q, n, eps);
+  else if (k <= 32) launch(residual_norm_kernel<32>, rows, kNormThreads, 0, st, x, y, ey, wts, k, ey_host, ids, slot_of, w, xn, q, n, eps);
   else fail("residual_norm: at most 32 experts per token");
   launched("residual_norm");
 }
 
 void add(float* x, const float* y, int64_t n, Stream s) {
   if (n <= 0) return;
-  add_kernel<<<blocks_for(n, 256), 256, 0, cs(s)>>>(x, y, n);
+  launch(add_kernel, blocks_for(n, 256), 256, 0, cs(s), x, y, n);
   launched("add");
 }
 
 void swiglu(const float* gate, const float* up, float* out, int64_t n, Stream s) {
   if (n <= 0) return;
-  swiglu_kernel<<<blocks_for(n, 256), 256, 0, cs(s)>>>(gate, up, out, n);
+  launch(swiglu_kernel, blocks_for(n, 256), 256, 0, cs(s), gate, up, out, n);
   launched("swiglu");
 }
 
@@ -2192,15 +2296,15 @@ void quantize_acts(DType act, const float* x, int64_t n, int rows, int64_t ld_x,
     case DType::Q8_1: {
       if (n % 32 != 0) fail("quantize_acts: row length not a multiple of 32");
       const int64_t blocks = n / 32 * rows;
-      if (act == DType::Q8_0) quant_q8_kernel<false><<<blocks_for(blocks, 128), 128, 0, st>>>(x, n, rows, ld_x, d, stride);
-      else quant_q8_kernel<true><<<blocks_for(blocks, 128), 128, 0, st>>>(x, n, rows, ld_x, d, stride);
+      if (act == DType::Q8_0) launch(quant_q8_kernel<false>, blocks_for(blocks, 128), 128, 0, st, x, n, rows, ld_x, d, stride);
+      else launch(quant_q8_kernel<true>, blocks_for(blocks, 128), 128, 0, st, x, n, rows, ld_x, d, stride);
       break;
     }
     case DType::Q8_K: {
       if (n % 256 != 0) fail("quantize_acts: row length not a multiple of 256");
       if (!aligned(dst, 4)) fail("quantize_acts: Q8_K destination must be 4-byte aligned");
       const int64_t blocks = n / 256 * rows;
-      quant_q8k_kernel<<<blocks_for(blocks, 8), 256, 0, st>>>(x, n, rows, ld_x, d, stride);
+      launch(quant_q8k_kernel, blocks_for(blocks, 8), 256, 0, st, x, n, rows, ld_x, d, stride);
       break;
     }
     case DType::F16: launch_convert<0>(x, n, rows, ld_x, dst, n, st); break;
@@ -2278,7 +2382,7 @@ void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_
   const dim3 grid(blocks_for(w.rows, kMvWarps), static_cast<unsigned>(n_tokens));
   const cudaStream_t st = cs(s);
   with_quant_type(w.type, "matvec_experts_combine", [&](auto T) {
-    mmvq_combine_kernel<decltype(T)::value, 8><<<grid, kMvWarps * 32, 0, st>>>(a, wts, k);
+    launch(mmvq_combine_kernel<decltype(T)::value, 8>, grid, kMvWarps * 32, 0, st, a, wts, k);
   });
   launched("matvec_experts_combine");
 }
@@ -2411,11 +2515,11 @@ void qk_norm_rope_store(float* q, int64_t ld_q, const float* k, int64_t ld_k, co
   const size_t smem = static_cast<size_t>(head_dim + n_rot) * sizeof(float);
   const cudaStream_t st = cs(s);
   if (kv.type == DType::F16)
-    qk_norm_rope_store_kernel<__half><<<grid, kNormThreads, smem, st>>>(
+    launch(qk_norm_rope_store_kernel<__half>, grid, kNormThreads, smem, st,
         q, ld_q, k, ld_k, v, ld_v, q_norm, k_norm, reinterpret_cast<__half*>(kv.k), reinterpret_cast<__half*>(kv.v),
         kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, theta_scale, freq_scale, eps);
   else if (kv.type == DType::F32)
-    qk_norm_rope_store_kernel<float><<<grid, kNormThreads, smem, st>>>(
+    launch(qk_norm_rope_store_kernel<float>, grid, kNormThreads, smem, st,
         q, ld_q, k, ld_k, v, ld_v, q_norm, k_norm, reinterpret_cast<float*>(kv.k), reinterpret_cast<float*>(kv.v),
         kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, theta_scale, freq_scale, eps);
   else
@@ -2497,7 +2601,7 @@ void route_topk(const float* logits, int n_tokens, int n_expert, int k, int32_t*
   if (k <= 0 || k > n_expert || k > 32) fail("route_topk: bad k (at most 32 experts per token)");
   const size_t smem = static_cast<size_t>(n_expert) * sizeof(float);
   if (smem > 48 * 1024) fail("route_topk: too many experts");
-  route_topk_kernel<<<n_tokens, 32, smem, cs(s)>>>(logits, n_expert, k, ids, weights);
+  launch(route_topk_kernel, n_tokens, 32, smem, cs(s), logits, n_expert, k, ids, weights);
   launched("route_topk");
 }
 
@@ -2512,7 +2616,7 @@ bool router_topk(const DevMatrix& router, const float* x, int n_tokens, float* l
   const size_t smem = static_cast<size_t>(kMvWarps) * router.rows * sizeof(float);
   const dim3 grid(static_cast<unsigned>(router.rows));
   const cudaStream_t st = cs(s);
-  auto go = [&](auto kernel) { kernel<<<grid, kMvWarps * 32, smem, st>>>(a, k, ids, weights, done); };
+  auto go = [&](auto kernel) { launch(kernel, grid, kMvWarps * 32, smem, st, a, k, ids, weights, done); };
   if (n_tokens <= 1) vec ? go(router_topk_kernel<1, true>) : go(router_topk_kernel<1, false>);
   else if (n_tokens <= 2) vec ? go(router_topk_kernel<2, true>) : go(router_topk_kernel<2, false>);
   else if (n_tokens <= 4) vec ? go(router_topk_kernel<4, true>) : go(router_topk_kernel<4, false>);
@@ -2524,7 +2628,7 @@ bool router_topk(const DevMatrix& router, const float* x, int n_tokens, float* l
 void moe_combine(const float* y, const float* weights, int n_tokens, int k, int n, float* out, Stream s) {
   if (n_tokens <= 0 || n <= 0) return;
   if (n_tokens > 65535) fail("moe_combine: too many tokens");
-  moe_combine_kernel<<<dim3(blocks_for(n, 256), n_tokens), 256, 0, cs(s)>>>(y, weights, k, n, out);
+  launch(moe_combine_kernel, dim3(blocks_for(n, 256), n_tokens), 256, 0, cs(s), y, weights, k, n, out);
   launched("moe_combine");
 }
 

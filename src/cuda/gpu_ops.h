@@ -22,6 +22,12 @@ namespace fitmoe::gpu {
 
 using Stream = void*;  // cudaStream_t
 
+// Programmatic dependent launch (compute capability 9.0 and up; gpu_ops.cu says how the kernels use
+// it): on wherever supported unless FITMOE_PDL=0. set_dependent_launch(false) turns it off for later
+// launches and graph captures (tests compare the two).
+void set_dependent_launch(bool allowed);
+bool dependent_launch_active();
+
 // Largest batch the integer mat-vec kernels take; larger batches go through dequantize + cuBLAS.
 constexpr int kMaxVecTokens = 8;
 
