@@ -2,7 +2,7 @@
 # The one script for the GPU machine (device tool): runs the tests there, then the benchmarks, and
 # prints a short table last. Binaries come prebuilt from the dev machine (scripts/device-prepare.sh puts
 # them and the test fixtures into git-ignored folders that the run carries).
-#   scripts/device-run.sh [all|tests|cpu|gpu|gputests|gpubench|profile]   (SKIP_CONFIGS names GPU configs to skip)
+#   scripts/device-run.sh [all|tests|cpu|gpu|gputests|gpubench|profile|ncu|nsys]   (SKIP_CONFIGS names GPU configs to skip)
 # profile: where a decode step's GPU time goes, per op (FITMOE_PROFILE=1), all on the GPU and at 8 GiB.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -79,6 +79,22 @@ if [ "$WHAT" = ncu ]; then
     tail -n 3 "$OUT/ncu-reference.err"
   fi
   for f in "$OUT"/ncu-*.csv; do echo "== $f"; wc -l < "$f"; done
+fi
+
+# A decode timeline from Nsight Systems (CUDA graphs traced per node): kernels overlap under programmatic
+# dependent launch, so each kernel's cost on the step's critical path is read as the time from the end
+# of the kernel before it to its own end; mean of that per kernel name, per decode step.
+if [ "$WHAT" = nsys ]; then
+  [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
+  NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
+  [ -n "$NSYS" ] || { echo "no nsys here"; exit 0; }
+  for flags in "" "--vram 8G"; do
+    tag=$([ -z "$flags" ] && echo gpu || echo 8g)
+    "$NSYS" profile -o "$OUT/nsys-$tag" --force-overwrite true --trace=cuda --cuda-graph-trace=node \
+      "$BIN/fitmoe" bench -m "$MODEL" $flags -p 0 -n 32 -r 1 > "$OUT/nsys-$tag.log" 2>&1
+    "$NSYS" stats --report cuda_gpu_trace --format csv -o "$OUT/nsys-$tag" "$OUT/nsys-$tag.nsys-rep" > /dev/null 2>&1
+    python3 scripts/nsys_critical_path.py "$OUT/nsys-${tag}_cuda_gpu_trace.csv" "${flags:-all on the GPU}"
+  done
 fi
 
 if [ "$WHAT" = all ] || [ "$WHAT" = cpu ]; then

@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "cuda/blocks.cuh"
 #include "cuda/kernel_util.h"
@@ -226,12 +227,16 @@ struct MvArgs {
   const int32_t* slot_of;
   const int32_t* act_row;
   const uint8_t* w2;       // gated mode: the up matrices (same layout as w); y = silu(w x) * (w2 x)
+  const uint8_t* pf;       // gated mode: the next product's expert stack (down), hinted into L2 meanwhile
+  size_t pf_mat_bytes;
   // Several matrices of one type and width on one input, in one launch (quantized kernel only):
   // segment i has its own weights, rows, output and ld_y, and the CTAs [seg_cta[i], seg_cta[i+1]).
   int n_seg;
   const uint8_t* seg_w[kMaxMatvecs];
   float* seg_y[kMaxMatvecs];
   int64_t seg_rows[kMaxMatvecs], seg_ld[kMaxMatvecs];
+  size_t seg_row_bytes[kMaxMatvecs];
+  bool seg_alt[kMaxMatvecs];  // segment of the kernel's second type
   unsigned seg_cta[kMaxMatvecs + 1];
 };
 
@@ -257,36 +262,12 @@ __device__ __forceinline__ bool mv_slot(const MvArgs& a, const uint8_t*& wm, con
 // Quantized weights: one warp per R rows, lanes over the 32-value parts of the row; every weight part
 // is decoded once and used for all NT (<= NT) tokens. GLU: the same rows of a second matrix (up) too,
 // and the output is silu(gate) * up exactly as swiglu_kernel computes it.
-template <DType T, int NT, int R, bool GLU = false>
-__global__ void __launch_bounds__(kMvWarps * 32) mmvq_kernel(const MvArgs a) {
+template <DType T, int NT, int R, bool GLU>
+__device__ __forceinline__ void mmvq_rows(const MvArgs& a, const uint8_t* wm, const uint8_t* wm2, size_t row_bytes,
+                                          const uint8_t* acts, float* y, int64_t rows, int64_t ld_y, int64_t row0,
+                                          int lane) {
   using W = WT<T>;
   constexpr int P = W::kQK / 32;
-  int sg = -1;  // matvec_multi: this CTA's segment
-  unsigned bx = blockIdx.x;
-  if (a.n_seg) {
-    sg = 0;
-    while (sg + 1 < a.n_seg && bx >= a.seg_cta[sg + 1]) ++sg;
-    bx -= a.seg_cta[sg];
-  }
-  const int64_t rows = sg >= 0 ? a.seg_rows[sg] : a.rows;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row0 = (static_cast<int64_t>(bx) * kMvWarps + warp) * R;
-  if (!a.ids && row0 < rows)  // dense weights are known before the input is: fetch them meanwhile
-    prefetch_l2((sg >= 0 ? a.seg_w[sg] : a.w) + row0 * a.row_bytes, (rows - row0 < R ? rows - row0 : R) * a.row_bytes,
-                lane, 32);
-  pdl_enter();
-  const uint8_t* wm;
-  const uint8_t* acts;
-  float* y;
-  if (!mv_slot(a, wm, acts, y)) return;
-  const uint8_t* wm2 = GLU ? a.w2 + (wm - a.w) : nullptr;
-  int64_t ld_y = a.ld_y;
-  if (sg >= 0) {
-    wm = a.seg_w[sg];
-    y = a.seg_y[sg];
-    ld_y = a.seg_ld[sg];
-  }
-  if (row0 >= rows) return;
   const int nt = a.n_tokens;
   const int64_t nparts = a.cols / 32;
   float acc[R][NT], acc2[GLU ? R : 1][NT];
@@ -310,8 +291,8 @@ __global__ void __launch_bounds__(kMvWarps * 32) mmvq_kernel(const MvArgs a) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (active && row0 + r < rows) {
-        W::decode(wm + (row0 + r) * a.row_bytes + blk * W::kBytes, p, w[r]);
-        if constexpr (GLU) W::decode(wm2 + (row0 + r) * a.row_bytes + blk * W::kBytes, p, w2[r]);
+        W::decode(wm + (row0 + r) * row_bytes + blk * W::kBytes, p, w[r]);
+        if constexpr (GLU) W::decode(wm2 + (row0 + r) * row_bytes + blk * W::kBytes, p, w2[r]);
       } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i) w[r].q[i] = 0;
@@ -354,6 +335,55 @@ __global__ void __launch_bounds__(kMvWarps * 32) mmvq_kernel(const MvArgs a) {
       }
     }
   }
+}
+
+// The kernel around mmvq_rows: resolves the segment (matvec_multi) or the expert slot. Segments flagged
+// seg_alt hold type T2 (another type with the same activation format, e.g. Q6_K v beside Q4_K q and k).
+template <DType T, int NT, int R, bool GLU = false, DType T2 = T>
+__global__ void __launch_bounds__(kMvWarps * 32) mmvq_kernel(const MvArgs a) {
+  int sg = -1;  // matvec_multi: this CTA's segment
+  unsigned bx = blockIdx.x;
+  if (a.n_seg) {
+    sg = 0;
+    while (sg + 1 < a.n_seg && bx >= a.seg_cta[sg + 1]) ++sg;
+    bx -= a.seg_cta[sg];
+  }
+  const int64_t rows = sg >= 0 ? a.seg_rows[sg] : a.rows;
+  const size_t row_bytes = sg >= 0 ? a.seg_row_bytes[sg] : a.row_bytes;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row0 = (static_cast<int64_t>(bx) * kMvWarps + warp) * R;
+  if (!a.ids && row0 < rows)  // dense weights are known before the input is: fetch them meanwhile
+    prefetch_l2((sg >= 0 ? a.seg_w[sg] : a.w) + row0 * row_bytes, (rows - row0 < R ? rows - row0 : R) * row_bytes, lane,
+                32);
+  pdl_enter();
+  const uint8_t* wm;
+  const uint8_t* acts;
+  float* y;
+  if (!mv_slot(a, wm, acts, y)) return;
+  const uint8_t* wm2 = GLU ? a.w2 + (wm - a.w) : nullptr;
+  if (GLU && a.pf) {
+    // The chosen experts are known now, so their down matrices can head for L2 while this product
+    // streams gate and up: each CTA of the slot hints its share.
+    const size_t m = static_cast<size_t>((wm - a.w) / a.mat_bytes);
+    const size_t share = (a.pf_mat_bytes + gridDim.x - 1) / gridDim.x, lo = share * blockIdx.x;
+    if (lo < a.pf_mat_bytes)
+      prefetch_l2(a.pf + m * a.pf_mat_bytes + lo, share < a.pf_mat_bytes - lo ? share : a.pf_mat_bytes - lo, threadIdx.x,
+                  blockDim.x);
+  }
+  int64_t ld_y = a.ld_y;
+  if (sg >= 0) {
+    wm = a.seg_w[sg];
+    y = a.seg_y[sg];
+    ld_y = a.seg_ld[sg];
+  }
+  if (row0 >= rows) return;
+  if constexpr (T2 != T) {
+    if (sg >= 0 && a.seg_alt[sg]) {
+      mmvq_rows<T2, NT, R, GLU>(a, wm, wm2, row_bytes, acts, y, rows, ld_y, row0, lane);
+      return;
+    }
+  }
+  mmvq_rows<T, NT, R, GLU>(a, wm, wm2, row_bytes, acts, y, rows, ld_y, row0, lane);
 }
 
 // Float weights (F32/F16/BF16 with activations of the same type): one warp per row, lanes over
@@ -557,7 +587,7 @@ __global__ void __launch_bounds__(kMvWarps * 32) mmvq_combine_kernel(const MvArg
   a.y[t * a.ld_y + row] = o;
 }
 
-template <DType T, int NT>
+template <DType T, int NT, DType T2 = T>
 void launch_mvq_nt(const MvArgs& a0, unsigned n_slots, cudaStream_t s) {
   constexpr int R = NT == 1 ? 1 : 2;
   MvArgs a = a0;
@@ -567,19 +597,19 @@ void launch_mvq_nt(const MvArgs& a0, unsigned n_slots, cudaStream_t s) {
     for (int i = 0; i < a.n_seg; ++i) a.seg_cta[i + 1] = a.seg_cta[i] + blocks_for(a.seg_rows[i], kMvWarps * R);
     ctas = a.seg_cta[a.n_seg];
   }
-  launch(mmvq_kernel<T, NT, R>, dim3(ctas, n_slots), kMvWarps * 32, 0, s, a);
+  launch(mmvq_kernel<T, NT, R, false, T2>, dim3(ctas, n_slots), kMvWarps * 32, 0, s, a);
 }
-template <DType T>
+template <DType T, DType T2 = T>
 void launch_mvq(const MvArgs& a, unsigned n_slots, cudaStream_t s) {
   if (a.w2) {  // gated experts: one token per slot
     const dim3 grid(blocks_for(a.rows, kMvWarps), n_slots);
     launch(mmvq_kernel<T, 1, 1, true>, grid, kMvWarps * 32, 0, s, a);
     return;
   }
-  if (a.n_tokens <= 1) launch_mvq_nt<T, 1>(a, n_slots, s);
-  else if (a.n_tokens <= 2) launch_mvq_nt<T, 2>(a, n_slots, s);
-  else if (a.n_tokens <= 4) launch_mvq_nt<T, 4>(a, n_slots, s);
-  else launch_mvq_nt<T, 8>(a, n_slots, s);
+  if (a.n_tokens <= 1) launch_mvq_nt<T, 1, T2>(a, n_slots, s);
+  else if (a.n_tokens <= 2) launch_mvq_nt<T, 2, T2>(a, n_slots, s);
+  else if (a.n_tokens <= 4) launch_mvq_nt<T, 4, T2>(a, n_slots, s);
+  else launch_mvq_nt<T, 8, T2>(a, n_slots, s);
 }
 template <typename E, bool VEC>
 void launch_mvf_v(const MvArgs& a, unsigned n_slots, cudaStream_t s) {
@@ -677,7 +707,7 @@ void with_quant_type(DType t, const char* what, F&& f) {
 
 void launch_matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_t ld_y, const int32_t* ids,
                    const int32_t* slot_of, int n_slots, const int32_t* act_row, cudaStream_t s, const char* what,
-                   const DevMatrix* up = nullptr) {
+                   const DevMatrix* up = nullptr, const DevMatrix* then = nullptr) {
   MvArgs a = mv_args(w, acts, n_tokens, y, ld_y, what);
   a.ids = ids;
   a.slot_of = slot_of;
@@ -688,6 +718,11 @@ void launch_matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y,
         up->n_mats != w.n_mats || is_float_type(w.type) || !ids || n_tokens != 1)
       fail(std::string(what) + ": gate and up must be quantized matrices of one type and shape, in experts mode");
     a.w2 = up->data;
+    if (then) {
+      if (then->n_mats != w.n_mats) fail(std::string(what) + ": the next product's stack has another expert count");
+      a.pf = then->data;
+      a.pf_mat_bytes = then->mat_bytes;
+    }
   }
   const unsigned slots = static_cast<unsigned>(n_slots);
   const bool vec = aligned(w.data, 16) && w.row_bytes % 16 == 0 && (ids == nullptr || w.mat_bytes % 16 == 0) &&
@@ -2325,41 +2360,75 @@ void matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_
 void matvec_multi(const DevMatrix* const* ws, float* const* ys, const int64_t* ld_ys, int n, const void* acts,
                   int n_tokens, Stream s) {
   if (n <= 0 || n_tokens <= 0) return;
-  if (n == 1 || is_float_type(ws[0]->type)) {  // float weights: one launch each
+  for (int i = 0; i < n; ++i) {
+    check_weight(*ws[i], "matvec_multi");
+    if (dtype_info(ws[i]->type).act_type != dtype_info(ws[0]->type).act_type || ws[i]->cols != ws[0]->cols ||
+        ws[i]->n_mats != 1)
+      fail("matvec_multi: the matrices must be single matrices of one width and activation format");
+  }
+  // The types, in order of appearance; the second one (if any) is the kernel's alternative type.
+  DType t1 = ws[0]->type, t2 = t1;
+  for (int i = 0; i < n; ++i)
+    if (ws[i]->type != t1) t2 = ws[i]->type;
+  bool two_types = t2 != t1;
+  for (int i = 0; i < n; ++i) two_types = two_types && (ws[i]->type == t1 || ws[i]->type == t2);
+  // Pairs with a mixed kernel (the K-quant mixes of the _M / _S files); others: one launch per type.
+  auto pair = [&](DType a, DType b) { return (t1 == a && t2 == b) || (t1 == b && t2 == a); };
+  const bool mixed = two_types && (pair(DType::Q4_K, DType::Q6_K) || pair(DType::Q5_K, DType::Q6_K) ||
+                                   pair(DType::Q3_K, DType::Q4_K) || pair(DType::Q3_K, DType::Q5_K));
+  if (n == 1 || is_float_type(t1) || (t2 != t1 && !mixed) || n > kMaxMatvecs) {
+    // One launch per type (float weights: one per matrix).
     for (int i = 0; i < n; ++i) {
-      if (ws[i]->type != ws[0]->type || ws[i]->cols != ws[0]->cols)
-        fail("matvec_multi: the matrices must be of one type and width");
-      matvec(*ws[i], acts, n_tokens, ys[i], ld_ys[i], s);
+      bool first = true;
+      for (int j = 0; j < i; ++j) first = first && ws[j]->type != ws[i]->type;
+      if (!first) continue;
+      std::vector<const DevMatrix*> w1;
+      std::vector<float*> y1;
+      std::vector<int64_t> l1;
+      for (int j = i; j < n; ++j)
+        if (ws[j]->type == ws[i]->type) w1.push_back(ws[j]), y1.push_back(ys[j]), l1.push_back(ld_ys[j]);
+      if (w1.size() == 1 || is_float_type(ws[i]->type) || static_cast<int>(w1.size()) > kMaxMatvecs) {
+        for (size_t j = 0; j < w1.size(); ++j) matvec(*w1[j], acts, n_tokens, y1[j], l1[j], s);
+      } else {
+        matvec_multi(w1.data(), y1.data(), l1.data(), static_cast<int>(w1.size()), acts, n_tokens, s);
+      }
     }
     return;
   }
-  if (n > kMaxMatvecs) fail("matvec_multi: at most " + std::to_string(kMaxMatvecs) + " matrices");
   if (n_tokens > kMaxVecTokens) fail("matvec_multi: at most kMaxVecTokens tokens");
-  const DevMatrix& w0 = *ws[0];
-  for (int i = 0; i < n; ++i) {
-    check_weight(*ws[i], "matvec_multi");
-    if (ws[i]->type != w0.type || ws[i]->cols != w0.cols || ws[i]->n_mats != 1)
-      fail("matvec_multi: the matrices must be single matrices of one type and width");
-  }
-  MvArgs a = mv_args(w0, acts, n_tokens, ys[0], ld_ys[0], "matvec_multi");
+  if (t1 > t2) std::swap(t1, t2);  // the instantiated order
+  MvArgs a = mv_args(*ws[0], acts, n_tokens, ys[0], ld_ys[0], "matvec_multi");
   a.n_seg = n;
   for (int i = 0; i < n; ++i) {
     a.seg_w[i] = ws[i]->data;
     a.seg_y[i] = ys[i];
     a.seg_rows[i] = ws[i]->rows;
     a.seg_ld[i] = ld_ys[i];
+    a.seg_row_bytes[i] = ws[i]->row_bytes;
+    a.seg_alt[i] = ws[i]->type != t1;
   }
   const cudaStream_t st = cs(s);
-  with_quant_type(w0.type, "matvec_multi", [&](auto T) { launch_mvq<decltype(T)::value>(a, 1, st); });
+  if (t2 == t1) {
+    with_quant_type(t1, "matvec_multi", [&](auto T) { launch_mvq<decltype(T)::value>(a, 1, st); });
+  } else if (t1 == DType::Q4_K && t2 == DType::Q6_K) {
+    launch_mvq<DType::Q4_K, DType::Q6_K>(a, 1, st);
+  } else if (t1 == DType::Q5_K && t2 == DType::Q6_K) {
+    launch_mvq<DType::Q5_K, DType::Q6_K>(a, 1, st);
+  } else if (t1 == DType::Q3_K && t2 == DType::Q4_K) {
+    launch_mvq<DType::Q3_K, DType::Q4_K>(a, 1, st);
+  } else {
+    launch_mvq<DType::Q3_K, DType::Q5_K>(a, 1, st);
+  }
   launched("matvec_multi");
 }
 
 void matvec_experts_glu(const DevMatrix& gate, const DevMatrix& up, const int32_t* ids, const int32_t* slot_of,
-                        int n_slots, const void* acts, const int32_t* act_row, float* y, int64_t ld_y, Stream s) {
+                        int n_slots, const void* acts, const int32_t* act_row, float* y, int64_t ld_y, Stream s,
+                        const DevMatrix* then) {
   if (n_slots <= 0) return;
   if (n_slots > 65535) fail("matvec_experts_glu: too many slots");
   if (!ids || !act_row) fail("matvec_experts_glu: ids and act_row are required");
-  launch_matvec(gate, acts, 1, y, ld_y, ids, slot_of, n_slots, act_row, cs(s), "matvec_experts_glu", &up);
+  launch_matvec(gate, acts, 1, y, ld_y, ids, slot_of, n_slots, act_row, cs(s), "matvec_experts_glu", &up, then);
 }
 
 void matvec_experts(const DevMatrix& w, const int32_t* ids, const int32_t* slot_of, int n_slots, const void* acts,

@@ -92,9 +92,11 @@ void matvec_experts(const DevMatrix& w, const int32_t* ids, const int32_t* slot_
 void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_t* slot_of, int n_tokens, int k,
                             const void* acts, const float* wts, float* y, int64_t ld_y, Stream s);
 // The same for gate and up experts at once (quantized, one type and shape): y = silu(gate x) * (up x),
-// the very bits of two matvec_experts calls and swiglu.
+// the very bits of two matvec_experts calls and swiglu. `then` (optional): the expert stack the next
+// product reads (down); the chosen experts' matrices of it are hinted into L2 while this one runs.
 void matvec_experts_glu(const DevMatrix& gate, const DevMatrix& up, const int32_t* ids, const int32_t* slot_of,
-                        int n_slots, const void* acts, const int32_t* act_row, float* y, int64_t ld_y, Stream s);
+                        int n_slots, const void* acts, const int32_t* act_row, float* y, int64_t ld_y, Stream s,
+                        const DevMatrix* then = nullptr);
 // dst[dst_rows ? dst_rows[i] : i] = src[src_rows ? src_rows[i] : i] for i < n rows of `width` floats.
 void copy_rows(const float* src, int64_t ld_src, const int32_t* src_rows, float* dst, int64_t ld_dst,
                const int32_t* dst_rows, int n, int width, Stream s);

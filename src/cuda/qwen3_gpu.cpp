@@ -531,25 +531,17 @@ class Qwen3Gpu final : public GpuRunner {
         else
           rest.push_back(p);
       }
-      // Those of one weight type in one call (one launch for quantized types).
-      while (!same.empty()) {
-        const DType t = same.front()->w->dev.type;
-        std::vector<const gpu::DevMatrix*> ws;
-        std::vector<float*> ys;
-        std::vector<int64_t> lds;
-        std::vector<const Product*> later;
-        for (const Product* p : same) {
-          if (p->w->dev.type == t) {
-            ws.push_back(&p->w->dev);
-            ys.push_back(p->y);
-            lds.push_back(p->ld_y);
-          } else {
-            later.push_back(p);
-          }
-        }
-        gpu::matvec_multi(ws.data(), ys.data(), lds.data(), static_cast<int>(ws.size()), acts, nt, stream_);
-        same.swap(later);
+      // One call: one launch for quantized matrices of one type (or a pair of types gpu::matvec_multi
+      // mixes, such as Q4_K q and k with a Q6_K v).
+      std::vector<const gpu::DevMatrix*> ws;
+      std::vector<float*> ys;
+      std::vector<int64_t> lds;
+      for (const Product* p : same) {
+        ws.push_back(&p->w->dev);
+        ys.push_back(p->y);
+        lds.push_back(p->ld_y);
       }
+      gpu::matvec_multi(ws.data(), ys.data(), lds.data(), static_cast<int>(ws.size()), acts, nt, stream_);
       todo.swap(rest);
     }
   }
@@ -627,7 +619,8 @@ class Qwen3Gpu final : public GpuRunner {
     if (X.n_dev > 0) {
       const void* acts = vec_acts(st, X.gate.type, st.xn, nt, E);
       if (X.gate.type == X.up.type && !is_float_type(X.gate.type)) {
-        gpu::matvec_experts_glu(X.gate, X.up, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.g, ff, stream_);
+        gpu::matvec_experts_glu(X.gate, X.up, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.g, ff, stream_,
+                                &X.down);
         prof_.mark("experts gate+up", stream_);
       } else {
         gpu::matvec_experts(X.gate, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.g, ff, stream_);

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -222,8 +223,9 @@ TEST_F(GpuOps, MatvecExpertsGluEqualsGateUpAndSwiglu) {
     auto acts = upload(host_acts(dtype_info(t).act_type, x, cols, n_tok));
     Dev y_fused(static_cast<size_t>(n_slots) * rows * 4), y_g(static_cast<size_t>(n_slots) * rows * 4),
         y_u(static_cast<size_t>(n_slots) * rows * 4);
+    // (with the next product's stack to hint into L2: u stands in for down; a hint changes no result)
     matvec_experts_glu(mg, mu, d_ids->as<int32_t>(), d_slot->as<int32_t>(), n_slots, acts->bytes(), d_rows->as<int32_t>(),
-                       y_fused.as<float>(), rows, s());
+                       y_fused.as<float>(), rows, s(), &mu);
     matvec_experts(mg, d_ids->as<int32_t>(), d_slot->as<int32_t>(), n_slots, acts->bytes(), d_rows->as<int32_t>(),
                    y_g.as<float>(), rows, s());
     matvec_experts(mu, d_ids->as<int32_t>(), d_slot->as<int32_t>(), n_slots, acts->bytes(), d_rows->as<int32_t>(),
@@ -248,20 +250,30 @@ TEST_F(GpuOps, MatvecExpertsGluEqualsGateUpAndSwiglu) {
 }
 
 // Several matrices in one launch: the same bits as one matvec each, and nothing written past each
-// output's rows (outputs have their own ld, with a gap that stays poisoned).
+// output's rows (outputs have their own ld, with a gap that stays poisoned). Each weight type alone,
+// the pairs of types one launch mixes (q and k of one type, v of another), and three types.
 TEST_F(GpuOps, MatvecMultiEqualsSeparateMatvecs) {
   const int64_t cols = 512;
   const int64_t rows[3] = {96, 20, 33};
-  for (DType t : kWeightTypes) {
+  std::vector<std::array<DType, 3>> combos;
+  for (DType t : kWeightTypes) combos.push_back({t, t, t});
+  combos.push_back({DType::Q4_K, DType::Q4_K, DType::Q6_K});
+  combos.push_back({DType::Q6_K, DType::Q5_K, DType::Q6_K});
+  combos.push_back({DType::Q4_K, DType::Q3_K, DType::Q3_K});
+  combos.push_back({DType::Q3_K, DType::Q5_K, DType::Q5_K});
+  combos.push_back({DType::Q3_K, DType::Q4_K, DType::Q6_K});
+  combos.push_back({DType::Q2_K, DType::Q2_K, DType::Q6_K});
+  for (const auto& types : combos) {
     for (int nt : {1, 3}) {
-      SCOPED_TRACE(std::string(dtype_name(t)) + " tokens " + std::to_string(nt));
+      SCOPED_TRACE(std::string(dtype_name(types[0])) + "/" + dtype_name(types[1]) + "/" + dtype_name(types[2]) +
+                   " tokens " + std::to_string(nt));
       std::vector<float> x = randn(static_cast<size_t>(cols) * nt, 451, 0.5f);
-      auto acts = upload(host_acts(dtype_info(t).act_type, x, cols, nt));
+      auto acts = upload(host_acts(dtype_info(types[0]).act_type, x, cols, nt));
       std::vector<HostMatrix> hm;
       std::vector<std::unique_ptr<Dev>> dm;
       std::vector<DevMatrix> m;
       for (int i = 0; i < 3; ++i) {
-        hm.push_back(random_matrix(t, rows[i], cols, 1, 452 + i));
+        hm.push_back(random_matrix(types[i], rows[i], cols, 1, 452 + i));
         dm.push_back(upload(hm.back().data));
       }
       for (int i = 0; i < 3; ++i) m.push_back(dev_matrix(hm[i], *dm[i]));
@@ -289,6 +301,16 @@ TEST_F(GpuOps, MatvecMultiEqualsSeparateMatvecs) {
       }
     }
   }
+  // Matrices that take different activation formats cannot share one input: refused.
+  HostMatrix k4 = random_matrix(DType::Q4_K, 32, cols, 1, 460), q8 = random_matrix(DType::Q8_0, 32, cols, 1, 461);
+  auto dk4 = upload(k4.data), dq8 = upload(q8.data);
+  DevMatrix mk4 = dev_matrix(k4, *dk4), mq8 = dev_matrix(q8, *dq8);
+  const DevMatrix* mixed[2] = {&mk4, &mq8};
+  Dev y0(32 * 4), y1(32 * 4);
+  float* ys2[2] = {y0.as<float>(), y1.as<float>()};
+  const int64_t lds2[2] = {32, 32};
+  auto a8 = upload(host_acts(DType::Q8_K, randn(static_cast<size_t>(cols), 462, 0.5f), cols, 1));
+  EXPECT_THROW(matvec_multi(mixed, ys2, lds2, 2, a8->bytes(), 1, s()), Error);
 }
 
 // The router's product with the routing fused: the same logits, choices and weights as matvec +
