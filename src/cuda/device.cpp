@@ -7,6 +7,7 @@
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <tuple>
 #include <vector>
 
 #include "cuda/kernel_util.h"
@@ -29,7 +30,20 @@ std::mutex g_kernel_mu;
 std::map<std::pair<const void*, int>, int> g_ptx;       // PTX version the kernel was compiled for
 std::map<std::pair<const void*, int>, size_t> g_smem;   // dynamic shared memory opted into
 std::map<int, size_t> g_smem_sm;                        // shared memory per multiprocessor
+std::map<std::tuple<const void*, int, int, size_t>, int> g_resident;  // CTAs resident on the whole GPU
 }  // namespace
+
+int resident_ctas(const void* kernel, int threads, size_t smem, const char* what) {
+  const int dev = current_device(what);
+  std::lock_guard<std::mutex> lock(g_kernel_mu);
+  auto key = std::make_tuple(kernel, dev, threads, smem);
+  auto it = g_resident.find(key);
+  if (it != g_resident.end()) return it->second;
+  int per_sm = 0, sms = 0;
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem), what);
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), what);
+  return g_resident[key] = per_sm * sms;
+}
 
 int kernel_ptx_version(const void* kernel, const char* what) {
   const int dev = current_device(what);

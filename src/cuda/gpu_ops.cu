@@ -1271,6 +1271,9 @@ struct AttnArgs {
   double* st_l;   // [n_tokens][n_head][n_splits] sum of exp(s - split max)
   float* opart;   // [n_tokens][n_head][n_splits][hdv] unnormalised-free partial outputs (P already final)
   bool v_vec;     // V rows can be read in 16-byte vectors
+  unsigned* counters;  // short decode: a zero-initialised counter per (token, kv head)
+  uint8_t* out_q;      // short decode: the output also in Q8_K (rows of n_head * hdv values), or null
+  int chunk_min;       // short decode: keys per chunk at least (a multiple of 8, at most kChunkMax)
 };
 
 constexpr int kDecodeMaxTokens = 8;    // attention with at most this many queries uses a decode kernel
@@ -1522,119 +1525,287 @@ __global__ void attn_dec_combine_kernel(const AttnArgs a) {
 }
 
 
-// Decode with a short cache (at most kShortKeys visible keys): everything in one launch, one CTA per
-// (query head, token), the scores in shared memory. The same formulas as the three split-K passes
-// with a single split (the sums run in another order, so the last bits may differ): canonical scores,
-// max, sum of exp in double, P = cache_type(exp(s - max) / sum),
-// then V^T.P with lanes over the keys.
+// Decode with a short cache (at most kShortKeys visible keys), in one launch: up to kGroupChunks CTAs
+// per (kv head, token), each owning a chunk of the keys (group_chunk_len) for all the query heads of the
+// group, so every cached key and value is read once per group and the work spreads over the GPU. The
+// reference's formulas (those of the three split-K passes): canonical scores; the max over all keys;
+// the sum of exp(s - max) in double; P = cache_type(exp(s - max) / sum); O = V^T P. The chunks agree on
+// the max and the sum through two barriers on a counter per (kv head, token), so all kGroupChunks CTAs
+// of a group must be resident at once: the launch checks that the whole grid fits on the GPU. The last
+// chunk to finish adds the partial outputs in chunk order (and, with out_q, writes the group's span of
+// the output in Q8_K for the next mat-vec). The counters start at zero (the caller zero-fills the
+// scratch once) and the last chunk resets its counter.
 constexpr int kShortKeys = 2048;
-constexpr int kShortThreads = 256;
+constexpr int kGroupChunks = 16;
+constexpr int kChunkMax = kShortKeys / kGroupChunks;  // keys per chunk at most (a multiple of 8)
+constexpr int kGroupThreads = 256;
 
-template <typename T, int MAXM>
-__global__ void __launch_bounds__(kShortThreads) attn_dec_short_kernel(const AttnArgs a) {
-  {
-    // While the kernel before finishes, the group's cached keys and values (earlier positions: written
-    // by earlier steps) go into L2, spread over the group's CTAs. The position is in memory a copy
-    // before the step's first kernel wrote.
-    const int g = blockIdx.x / a.group, first = (blockIdx.x % a.group) * kShortThreads + threadIdx.x;
-    const int stride = a.group * kShortThreads, nvis = min(attn_pos0(a) + 1, kShortKeys);
-    const size_t key_bytes = static_cast<size_t>(a.hd) * sizeof(T), row_bytes = static_cast<size_t>(a.n_head_kv) * key_bytes;
-    const int lines_k = static_cast<int>((key_bytes + 127) / 128), lines_v = static_cast<int>((nvis * sizeof(T) + 127) / 128);
-    const uint8_t* kb = a.k + static_cast<size_t>(g) * key_bytes;
-    const uint8_t* vb = a.v + static_cast<size_t>(g) * a.hdv * a.n_ctx * sizeof(T);
-    for (int i = first; i < nvis * lines_k; i += stride)
-      prefetch_l2(kb + static_cast<size_t>(i / lines_k) * row_bytes + (i % lines_k) * 128, 1, 0, 1);
-    for (int i = first; i < a.hdv * lines_v; i += stride)
-      prefetch_l2(vb + static_cast<size_t>(i / lines_v) * a.n_ctx * sizeof(T) + (i % lines_v) * 128, 1, 0, 1);
+// Keys per chunk for nvis visible keys: at least chunk_min (a chunk's share of the barrier costs more
+// than a few keys), a multiple of 8 (aligned V vectors), at most kChunkMax.
+__device__ __forceinline__ int group_chunk_len(int nvis, int chunk_min) {
+  const int per = ((nvis + kGroupChunks - 1) / kGroupChunks + 7) / 8 * 8;
+  return per > chunk_min ? per : chunk_min;
+}
+
+struct GroupSmem {  // dynamic shared memory of attn_dec_group_kernel, in floats
+  int qs, S, red, total;
+  __host__ __device__ GroupSmem(int group, int hdp, int hdv) {
+    qs = 0;
+    S = group * hdp;
+    red = S + group * (kChunkMax > hdv ? kChunkMax : hdv);
+    total = red + group * kGroupThreads + 4 * group;  // partial outputs, then max / 1/sum per head
+  }
+};
+
+// Arrive at the group's counter and wait until `target` CTAs have (thread 0 spins; the block waits at
+// the barrier). Every thread fenced its own global writes before calling.
+__device__ __forceinline__ void group_barrier(unsigned* cnt, unsigned target) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    atomicAdd(cnt, 1u);
+    while (*reinterpret_cast<volatile unsigned*>(cnt) < target) __nanosleep(20);
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+// Which part of a group's work CTA `cta` (blockIdx.x) does: the keys split into n_act chunks and the
+// group's heads into hs subsets (powers of two, as many as the spare CTAs allow: a short cache has
+// few chunks and would leave the GPU idle), CTA = (subset, chunk). With out_q each subset's span of the
+// output must be whole Q8_K blocks.
+struct GroupMap {
+  int Lc, n_act, hs, sub, ch, G, j0, nk;
+  bool active;
+};
+__device__ __forceinline__ GroupMap group_map(const AttnArgs& a, int nvis, int cta) {
+  GroupMap m;
+  m.Lc = group_chunk_len(nvis, a.chunk_min);
+  m.n_act = (nvis + m.Lc - 1) / m.Lc;
+  m.hs = 1;
+  for (int h2 = 2; a.group % h2 == 0 && h2 * m.n_act <= kGroupChunks; h2 *= 2) {
+    if (a.out_q && ((a.group / h2) * a.hdv) % 256 != 0) break;
+    m.hs = h2;
+  }
+  m.sub = cta / m.n_act;
+  m.ch = cta % m.n_act;
+  m.active = m.sub < m.hs;
+  m.G = a.group / m.hs;
+  m.j0 = m.ch * m.Lc;
+  m.nk = min(m.j0 + m.Lc, nvis) - m.j0;
+  return m;
+}
+
+template <typename T, int MAXM, int MAXG>
+__global__ void __launch_bounds__(kGroupThreads) attn_dec_group_kernel(const AttnArgs a) {
+  extern __shared__ __align__(16) float sm[];
+  const int g = blockIdx.y, t = blockIdx.z, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int nkv = a.n_head_kv;
+  const size_t key_bytes = static_cast<size_t>(a.hd) * sizeof(T), krow_bytes = static_cast<size_t>(nkv) * key_bytes;
+  const int nvis = min(attn_pos0(a) + t + 1, a.keys_max);  // (the position: copied before the step's first kernel)
+  const GroupMap gm = group_map(a, nvis, blockIdx.x);
+  if (gm.active && nvis <= kShortKeys) {
+    // While the kernel before finishes, this chunk's cached keys and values (written by earlier steps)
+    // go into L2.
+    const int lk = static_cast<int>((key_bytes + 127) / 128), lv = (gm.nk * static_cast<int>(sizeof(T)) + 127) / 128;
+    const uint8_t* kb = a.k + static_cast<size_t>(gm.j0) * krow_bytes + static_cast<size_t>(g) * key_bytes;
+    const uint8_t* vb = a.v + (static_cast<size_t>(g) * a.hdv * a.n_ctx + gm.j0) * sizeof(T);
+    for (int i = tid; i < gm.nk * lk; i += kGroupThreads)
+      prefetch_l2(kb + static_cast<size_t>(i / lk) * krow_bytes + (i % lk) * 128, 1, 0, 1);
+    for (int i = tid; i < a.hdv * lv; i += kGroupThreads)
+      prefetch_l2(vb + static_cast<size_t>(i / lv) * a.n_ctx * sizeof(T) + (i % lv) * 128, 1, 0, 1);
   }
   pdl_enter();
-  __shared__ float S[kShortKeys];
-  __shared__ __align__(16) float qs[16 * MAXM];
-  __shared__ float red_f[kShortThreads / 32];
-  __shared__ double red_d[kShortThreads / 32];
-  const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int g = h / a.group;
-  const int nvis = min(attn_pos0(a) + t + 1, a.keys_max);
-  float* out = a.out + t * a.ld_out + static_cast<int64_t>(h) * a.hdv;
   if (nvis > kShortKeys) {  // the caller chose the wrong variant: say so loudly, never silently
-    for (int d = tid; d < a.hdv; d += blockDim.x) out[d] = __int_as_float(0x7fc00000);
+    float* out = a.out + t * a.ld_out + static_cast<int64_t>(g) * a.group * a.hdv;
+    if (blockIdx.x == 0)
+      for (int e = tid; e < a.group * a.hdv; e += kGroupThreads) out[e] = __int_as_float(0x7fc00000);
     return;
   }
-  for (int e = tid; e < a.hdp; e += blockDim.x)
-    qs[e] = e < a.hd ? round_cache<T>(a.q[t * a.ld_q + static_cast<int64_t>(h) * a.hd + e]) : 0.0f;
-  __syncthreads();
-  // Scores: a quad per key.
-  const int c = tid & 3, kq = tid >> 2, nm = a.hdp / 16;
-  const size_t krow = static_cast<size_t>(a.n_head_kv) * a.hd;
-  const T* kbase = reinterpret_cast<const T*>(a.k) + static_cast<size_t>(g) * a.hd;
-  float mx = -INFINITY;
-  for (int j0 = 0; j0 < nvis; j0 += kShortThreads / 4) {
-    const int j = j0 + kq;
-    const bool valid = j < nvis;
-    float2 kv[MAXM][2];
-    load_key_quad<T, MAXM>(kbase + static_cast<size_t>(valid ? j : 0) * krow, c, nm, a.hd, valid, kv);
-    const float sc = __fmul_rn(dot_key_quad<MAXM>(kv, qs + 2 * c, nm), a.scale);
-    if (valid) {
-      if (c == 0) S[j] = sc;
-      mx = fmaxf(mx, sc);
+  if (!gm.active) return;  // (uniform per group: these CTAs take no part in its barriers)
+  const int G = gm.G, c = gm.ch, n_act = gm.n_act, j0 = gm.j0, nk = gm.nk;  // this CTA's heads and keys
+  const bool alone = n_act == 1;  // one chunk: no barriers, no partial outputs
+  const GroupSmem L(G, a.hdp, a.hdv);
+  float* qs = sm + L.qs;    // [G][hdp] the heads' queries, rounded to the cache type
+  float* S = sm + L.S;      // [G][kChunkMax] scores, then P
+  float* red = sm + L.red;  // [P parts][G][hdv] partial outputs
+  float* Mh = red + G * kGroupThreads;  // [G] max over all keys
+  float* inv = Mh + G;                  // [G] 1 / sum
+  const int row0 = g * a.group + gm.sub * G;  // first query head of the CTA
+  float* out = a.out + t * a.ld_out + static_cast<int64_t>(row0) * a.hdv;
+  const size_t slot = (static_cast<size_t>(t) * nkv + g) * gm.hs + gm.sub;  // this (token, kv head, subset)
+  unsigned* cnt = a.counters + slot;
+  float* st_m = a.st_m + slot * kGroupChunks * G;    // [chunk][G]
+  double* st_l = a.st_l + slot * kGroupChunks * G;   // [chunk][G]
+  float* opart = a.opart + slot * kGroupChunks * G * a.hdv;  // [chunk][G][hdv]
+  // This thread's V vectors (part p, row d: the chunk's 8-key vectors p, p + P, ...), loaded now so
+  // that their latency overlaps the softmax and its barrier.
+  const int P = kGroupThreads / a.hdv;
+  const int d = tid % a.hdv, p = tid / a.hdv;
+  constexpr int E = 8, kVRegs = 8;
+  const T* vr = reinterpret_cast<const T*>(a.v) + (static_cast<size_t>(g) * a.hdv + d) * a.n_ctx + j0;
+  const bool vfull = a.v_vec && p < P;
+  uint4 vraw[kVRegs][sizeof(T) == 2 ? 1 : 2];
+#pragma unroll
+  for (int r = 0; r < kVRegs; ++r) {
+    const int v0 = (p + r * P) * E;
+    if (vfull && v0 + E <= nk) {
+      vraw[r][0] = *reinterpret_cast<const uint4*>(vr + v0);
+      if constexpr (sizeof(T) == 4) vraw[r][1] = *reinterpret_cast<const uint4*>(vr + v0 + 4);
     }
   }
-  mx = warp_max(mx);
-  if (lane == 0) red_f[warp] = mx;
+
+  for (int e = tid; e < G * a.hdp; e += kGroupThreads) {
+    const int i = e / a.hdp, x = e % a.hdp;
+    qs[e] = x < a.hd ? round_cache<T>(a.q[t * a.ld_q + static_cast<int64_t>(row0 + i) * a.hd + x]) : 0.0f;
+  }
   __syncthreads();
-  mx = red_f[0];
-  for (int w = 1; w < kShortThreads / 32; ++w) mx = fmaxf(mx, red_f[w]);
-  double l = 0.0;
-  for (int j = tid; j < nvis; j += blockDim.x) l += static_cast<double>(expf(__fsub_rn(S[j], mx)));
-  l = warp_sum(l);
-  if (lane == 0) red_d[warp] = l;
-  __syncthreads();
-  double tot = 0.0;
-  for (int w = 0; w < kShortThreads / 32; ++w) tot += red_d[w];
-  const float inv = static_cast<float>(1.0 / tot);
-  for (int j = tid; j < nvis; j += blockDim.x) S[j] = round_cache<T>(__fmul_rn(expf(__fsub_rn(S[j], mx)), inv));
-  __syncthreads();
-  // V^T.P: each warp takes RPW output rows at once (rows warp, warp + 8, ...: their loads in flight
-  // together), lanes over 16-byte vectors of keys.
-  constexpr int E = 16 / sizeof(T), NW = kShortThreads / 32, RPW = 16;
-  const T* vbase = reinterpret_cast<const T*>(a.v) + static_cast<size_t>(g) * a.hdv * a.n_ctx;
-  for (int d0 = warp; d0 < a.hdv; d0 += RPW * NW) {
-    float acc[RPW];
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) acc[r] = 0.0f;
-    for (int i0 = lane * E; i0 < nvis; i0 += 32 * E) {
-      float pk[E];
-#pragma unroll
-      for (int k = 0; k < E; ++k) pk[k] = i0 + k < nvis ? S[i0 + k] : 0.0f;
-      uint4 raw[RPW];
-      const bool full = a.v_vec && i0 + E <= nvis;
-#pragma unroll
-      for (int r = 0; r < RPW; ++r) {
-        const int d = d0 + r * NW;
-        if (full && d < a.hdv) raw[r] = *reinterpret_cast<const uint4*>(vbase + static_cast<size_t>(d) * a.n_ctx + i0);
+  // Scores: a quad per key, each key's quarter in registers for the G dot products.
+  {
+    const int cq = tid & 3, kq = tid >> 2, nm = a.hdp / 16;
+    const T* kbase = reinterpret_cast<const T*>(a.k) + static_cast<size_t>(g) * a.hd;
+    const size_t krow = static_cast<size_t>(nkv) * a.hd;
+    for (int jj0 = 0; jj0 < nk; jj0 += kGroupThreads / 4) {
+      const int jj = jj0 + kq;
+      const bool valid = jj < nk;
+      float2 kv[MAXM][2];
+      load_key_quad<T, MAXM>(kbase + static_cast<size_t>(valid ? j0 + jj : 0) * krow, cq, nm, a.hd, valid, kv);
+      for (int i = 0; i < G; ++i) {
+        const float sc = __fmul_rn(dot_key_quad<MAXM>(kv, qs + i * a.hdp + 2 * cq, nm), a.scale);
+        if (valid && cq == 0) S[i * kChunkMax + jj] = sc;
       }
+    }
+  }
+  __syncthreads();
+  // The chunk's max and sum of exp(s - chunk max) per head; with several chunks, one barrier, then the
+  // max over all keys and the total sum (each chunk's sum rescaled in double).
+  for (int i = warp; i < G; i += kGroupThreads / 32) {
+    float m = -INFINITY;
+    for (int j = lane; j < nk; j += 32) m = fmaxf(m, S[i * kChunkMax + j]);
+    m = warp_max(m);
+    double l = 0.0;
+    for (int j = lane; j < nk; j += 32) l += static_cast<double>(expf(__fsub_rn(S[i * kChunkMax + j], m)));
+    l = warp_sum(l);
+    if (lane == 0) {
+      if (alone) {
+        Mh[i] = m;
+        inv[i] = static_cast<float>(1.0 / l);
+      } else {
+        st_m[c * G + i] = m;
+        st_l[c * G + i] = l;
+      }
+    }
+  }
+  if (!alone) {
+    __threadfence();
+    group_barrier(cnt, n_act);
+    for (int i = warp; i < G; i += kGroupThreads / 32) {
+      const float mc = lane < n_act ? __ldcg(st_m + lane * G + i) : -INFINITY;
+      const double lc = lane < n_act ? __ldcg(st_l + lane * G + i) : 0.0;
+      const float m = warp_max(mc);
+      const double lr = lane < n_act ? lc * exp(static_cast<double>(mc) - static_cast<double>(m)) : 0.0;
+      double l = 0.0;
+      for (int k = 0; k < n_act; ++k) l += __shfl_sync(kFull, lr, k);  // in chunk order
+      if (lane == 0) {
+        Mh[i] = m;
+        inv[i] = static_cast<float>(1.0 / l);
+      }
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < G * nk; e += kGroupThreads) {
+    const int i = e / nk, j = e % nk;
+    float* sp = S + i * kChunkMax + j;
+    *sp = round_cache<T>(__fmul_rn(expf(__fsub_rn(*sp, Mh[i])), inv[i]));
+  }
+  __syncthreads();
+  // V^T.P over the chunk for every head of the group (each value loaded once, used G times); the
+  // parts are added in order.
+  {
+    float acc[MAXG];
 #pragma unroll
-      for (int r = 0; r < RPW; ++r) {
-        const int d = d0 + r * NW;
-        if (d >= a.hdv) break;
+    for (int i = 0; i < MAXG; ++i) acc[i] = 0.0f;
+    if (p < P) {
+      for (int r = 0, v0 = p * E; v0 < nk; ++r, v0 += P * E) {
         float vv[E];
-        if (full) {
-          unpack16(raw[r], vv);
-        } else {
-          const T* vr = vbase + static_cast<size_t>(d) * a.n_ctx + i0;
+        if (vfull && v0 + E <= nk) {
+          uint4 raw[sizeof(T) == 2 ? 1 : 2];
+          if (r < kVRegs) {
 #pragma unroll
-          for (int k = 0; k < E; ++k) vv[k] = i0 + k < nvis ? from_cache(vr[k]) : 0.0f;
+            for (int q = 0; q < kVRegs; ++q)  // (constant indices keep vraw in registers)
+              if (q == r) {
+                raw[0] = vraw[q][0];
+                if constexpr (sizeof(T) == 4) raw[1] = vraw[q][1];
+              }
+          } else {
+            raw[0] = *reinterpret_cast<const uint4*>(vr + v0);
+            if constexpr (sizeof(T) == 4) raw[1] = *reinterpret_cast<const uint4*>(vr + v0 + 4);
+          }
+          if constexpr (sizeof(T) == 2) {
+            unpack16(raw[0], vv);
+          } else {
+            float lo[4], hi[4];
+            unpack16(raw[0], lo);
+            unpack16(raw[1], hi);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) vv[k] = lo[k], vv[k + 4] = hi[k];
+          }
+        } else {
+#pragma unroll
+          for (int k = 0; k < E; ++k) vv[k] = v0 + k < nk ? from_cache(vr[v0 + k]) : 0.0f;
         }
 #pragma unroll
-        for (int k = 0; k < E; ++k) acc[r] = __fmaf_rn(vv[k], pk[k], acc[r]);
-      }
-    }
+        for (int i = 0; i < MAXG; ++i) {
+          if (i < G) {
+            const float* pi = S + i * kChunkMax + v0;
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      const float v = warp_sum(acc[r]);
-      if (lane == 0 && d0 + r * NW < a.hdv) out[d0 + r * NW] = v;
+            for (int k = 0; k < E; ++k)
+              if (v0 + k < nk) acc[i] = __fmaf_rn(vv[k], pi[k], acc[i]);
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < MAXG; ++i)
+        if (i < G) red[(p * G + i) * a.hdv + d] = acc[i];
     }
   }
+  __syncthreads();
+  float* ob = S;  // [G * hdv] the group's output (fits: S holds G * max(kChunkMax, hdv) floats)
+  if (alone) {
+    for (int e = tid; e < G * a.hdv; e += kGroupThreads) {
+      float o = red[e];
+      for (int p = 1; p < P; ++p) o = __fadd_rn(o, red[p * G * a.hdv + e]);
+      out[e] = o;
+      ob[e] = o;
+    }
+  } else {
+    for (int e = tid; e < G * a.hdv; e += kGroupThreads) {
+      float o = red[e];
+      for (int p = 1; p < P; ++p) o = __fadd_rn(o, red[p * G * a.hdv + e]);
+      opart[static_cast<size_t>(c) * G * a.hdv + e] = o;
+    }
+    __threadfence();
+    __shared__ bool last;
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(cnt, 1u) == 2 * n_act - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // The last chunk: the group's output, the partials added in chunk order.
+    for (int e = tid; e < G * a.hdv; e += kGroupThreads) {
+      float o = __ldcg(opart + e);
+      for (int k = 1; k < n_act; ++k) o = __fadd_rn(o, __ldcg(opart + static_cast<size_t>(k) * G * a.hdv + e));
+      out[e] = o;
+      ob[e] = o;
+    }
+    if (tid == 0) *cnt = 0;
+  }
+  if (!a.out_q) return;
+  // The group's span of the output row in Q8_K (the caller checked that it is whole 256-value blocks).
+  __syncthreads();
+  const int span = G * a.hdv, b0 = row0 * a.hdv / 256;
+  const size_t qstride = static_cast<size_t>(a.n_head) * a.hdv / 256 * 292;
+  for (int b = warp; b < span / 256; b += kGroupThreads / 32)
+    quantize_q8k_block(ob + 256 * b, a.out_q + t * qstride + static_cast<size_t>(b0 + b) * 292, lane);
 }
 
 // Prefill: one CTA per (32 query rows, kv head); query rows are (token, head of the group) pairs.
@@ -2058,9 +2229,12 @@ bool tc_attention_ok(const AttnArgs& a) {
   return static_cast<size_t>(kTQ) * (a.hdv + 4) * 4 <= L.sc;
 }
 
+// Decode scratch: the short kernel's counters (zero-filled by the caller once, left zero) first, then
+// either kernel's arrays (never both in one call, so they share the space).
 struct DecodeLayout {
   int keys_max, L_max, n_splits;
-  size_t off_m, off_l, off_o, total;
+  size_t off_s, off_m, off_l, off_o, total;  // split-K
+  size_t g_m, g_l, g_o;                // short (group) kernel
 };
 DecodeLayout decode_layout(int n_tokens, int keys_max, int n_head, int hdv) {
   DecodeLayout d{};
@@ -2069,21 +2243,62 @@ DecodeLayout decode_layout(int n_tokens, int keys_max, int n_head, int hdv) {
   // enough splits for any real key count <= keys_max (its split length may be as short as 64)
   d.n_splits = std::min(kMaxSplits, (d.keys_max + 63) / 64);
   const size_t rows = static_cast<size_t>(n_tokens) * n_head;
-  d.off_m = align256(rows * d.keys_max * sizeof(float));
+  const size_t base = align256(rows * sizeof(unsigned));  // counters: at most one per (token, head)
+  d.off_s = base;
+  d.off_m = base + align256(rows * d.keys_max * sizeof(float));
   d.off_l = d.off_m + align256(rows * kMaxSplits * sizeof(float));
   d.off_o = d.off_l + align256(rows * kMaxSplits * sizeof(double));
   d.total = d.off_o + align256(rows * kMaxSplits * static_cast<size_t>(hdv) * sizeof(float));
+  d.g_m = base;
+  d.g_l = d.g_m + align256(rows * kGroupChunks * sizeof(float));
+  d.g_o = d.g_l + align256(rows * kGroupChunks * sizeof(double));
+  d.total = std::max(d.total, d.g_o + align256(rows * kGroupChunks * static_cast<size_t>(hdv) * sizeof(float)));
   return d;
 }
 
+// The one-launch short-cache kernel for these shapes, when its CTAs all fit on the GPU at once (they
+// wait for each other); null otherwise (split-K then).
+using AttnKernel = void (*)(AttnArgs);
+
 template <typename T>
-void launch_attention(AttnArgs& a, void* scratch, size_t scratch_bytes, cudaStream_t s) {
-  if (a.n_tokens <= kDecodeMaxTokens && a.pos0 + a.n_tokens <= kShortKeys && a.hdp <= 256) {
+AttnKernel group_kernel(const AttnArgs& a, size_t* smem) {
+  if (a.n_tokens > kDecodeMaxTokens || a.pos0 + a.n_tokens > kShortKeys || a.hdp > 256 || a.group > 16) return nullptr;
+  *smem = static_cast<size_t>(GroupSmem(a.group, a.hdp, a.hdv).total) * sizeof(float);
+  const AttnKernel k = a.hdp <= 128 ? (a.group <= 8 ? attn_dec_group_kernel<T, 8, 8> : attn_dec_group_kernel<T, 8, 16>)
+                                    : (a.group <= 8 ? attn_dec_group_kernel<T, 16, 8> : attn_dec_group_kernel<T, 16, 16>);
+  need_smem(k, *smem, "attention");
+  const int ctas = kGroupChunks * a.n_head_kv * a.n_tokens;
+  return resident_ctas(reinterpret_cast<const void*>(k), kGroupThreads, *smem, "attention") >= ctas ? k : nullptr;
+}
+
+// Returns whether the output was also written in Q8_K (a.out_q: only by the short-cache kernel, and only
+// when each group's span of the output is whole 256-value blocks).
+template <typename T>
+bool launch_attention(AttnArgs& a, void* scratch, size_t scratch_bytes, cudaStream_t s) {
+  size_t gsmem = 0;
+  if (const AttnKernel gk = group_kernel<T>(a, &gsmem)) {
+    const DecodeLayout d = decode_layout(a.n_tokens, a.keys_max, a.n_head, a.hdv);
+    if (!scratch || scratch_bytes < d.total)
+      fail("attention: scratch of " + std::to_string(scratch_bytes) + " bytes, needs " + std::to_string(d.total));
+    uint8_t* base = static_cast<uint8_t*>(scratch);
+    a.counters = reinterpret_cast<unsigned*>(base);
+    a.st_m = reinterpret_cast<float*>(base + d.g_m);
+    a.st_l = reinterpret_cast<double*>(base + d.g_l);
+    a.opart = reinterpret_cast<float*>(base + d.g_o);
     a.v_vec = aligned(a.v, 16) && (a.n_ctx * sizeof(T)) % 16 == 0;
-    const dim3 grid(a.n_head, a.n_tokens);
-    if (a.hdp <= 128) launch(attn_dec_short_kernel<T, 8>, grid, kShortThreads, 0, s, a);
-    else launch(attn_dec_short_kernel<T, 16>, grid, kShortThreads, 0, s, a);
+    if ((a.group * a.hdv) % 256 != 0) a.out_q = nullptr;
+    // Keys per chunk at least: a chunk's barrier costs more than a few keys (FITMOE_ATTN_CHUNK: for
+    // measuring; a multiple of 8 up to 128).
+    static const int chunk_min = [] {
+      const char* e = std::getenv("FITMOE_ATTN_CHUNK");
+      const int v = e ? std::atoi(e) : 32;
+      return v >= 8 && v <= kChunkMax && v % 8 == 0 ? v : 32;
+    }();
+    a.chunk_min = chunk_min;
+    const dim3 grid(kGroupChunks, a.n_head_kv, a.n_tokens);
+    launch(gk, grid, kGroupThreads, gsmem, s, a);
     launched("attention (decode, short cache)");
+    return a.out_q != nullptr;
   } else if (a.n_tokens <= kDecodeMaxTokens) {
     const DecodeLayout d = decode_layout(a.n_tokens, a.keys_max, a.n_head, a.hdv);
     if (!scratch || scratch_bytes < d.total)
@@ -2091,7 +2306,7 @@ void launch_attention(AttnArgs& a, void* scratch, size_t scratch_bytes, cudaStre
     uint8_t* base = static_cast<uint8_t*>(scratch);
     a.L_max = d.L_max;
     a.n_splits = d.n_splits;
-    a.S = reinterpret_cast<float*>(base);
+    a.S = reinterpret_cast<float*>(base + d.off_s);
     a.st_m = reinterpret_cast<float*>(base + d.off_m);
     a.st_l = reinterpret_cast<double*>(base + d.off_l);
     a.opart = reinterpret_cast<float*>(base + d.off_o);
@@ -2133,6 +2348,7 @@ void launch_attention(AttnArgs& a, void* scratch, size_t scratch_bytes, cudaStre
     }
     launched("attention (prefill)");
   }
+  return false;
 }
 
 // ================================ routing =========================================================
@@ -2619,18 +2835,18 @@ void kv_store(const DevKv& kv, const int32_t* pos, int n_tokens, const float* k,
 
 int attention_decode_variant(int n_keys) { return n_keys <= kShortKeys ? 0 : 1; }
 
-// Enough for any call with up to n_tokens queries: only calls of <= kDecodeMaxTokens use scratch (the
-// split-K decode path), and its size grows with the token count.
+// Enough for any call with up to n_tokens queries: only calls of <= kDecodeMaxTokens use scratch (both
+// decode kernels), and its size grows with the token count.
 
 size_t attention_scratch_bytes(int n_tokens, int n_kv_max, int n_head, int head_dim_v) {
   if (n_tokens <= 0) return 0;
   return decode_layout(std::min(n_tokens, kDecodeMaxTokens), n_kv_max, n_head, head_dim_v).total;
 }
 
-void attention(const float* q, int64_t ld_q, const DevKv& kv, int pos0, const int32_t* pos_dev, int n_tokens,
+bool attention(const float* q, int64_t ld_q, const DevKv& kv, int pos0, const int32_t* pos_dev, int n_tokens,
                int n_kv_max, int n_head, int n_head_kv, int head_dim, int head_dim_v, float scale, float* out,
-               int64_t ld_out, void* scratch, size_t scratch_bytes, Stream s) {
-  if (n_tokens <= 0) return;
+               int64_t ld_out, void* scratch, size_t scratch_bytes, Stream s, void* out_q) {
+  if (n_tokens <= 0) return false;
   if (n_head_kv <= 0 || n_head % n_head_kv != 0) fail("attention: n_head must be a multiple of n_head_kv");
   if (head_dim % 8 != 0 || head_dim > 256 || head_dim_v <= 0 || head_dim_v > 256)
     fail("attention: head sizes must be multiples of 8 up to 256 (K: " + std::to_string(head_dim) +
@@ -2660,9 +2876,10 @@ void attention(const float* q, int64_t ld_q, const DevKv& kv, int pos0, const in
   a.keys_max = pos_dev ? n_kv_max : pos0 + n_tokens;
   if (a.keys_max <= 0) fail("attention: n_kv_max must be positive when positions come from the device");
   if (a.keys_max > kv.n_ctx) fail("attention: more keys than the cache holds");
+  a.out_q = static_cast<uint8_t*>(out_q);
   const cudaStream_t st = cs(s);
-  if (kv.type == DType::F16) launch_attention<__half>(a, scratch, scratch_bytes, st);
-  else launch_attention<float>(a, scratch, scratch_bytes, st);
+  if (kv.type == DType::F16) return launch_attention<__half>(a, scratch, scratch_bytes, st);
+  return launch_attention<float>(a, scratch, scratch_bytes, st);
 }
 
 void route_topk(const float* logits, int n_tokens, int n_expert, int k, int32_t* ids, float* weights, Stream s) {

@@ -135,10 +135,14 @@ void qk_norm_rope_store(float* q, int64_t ld_q, const float* k, int64_t ld_k, co
                         float freq_scale, float eps, Stream s);
 // Causal attention of n_tokens queries at positions pos0 .. pos0 + n_tokens - 1 (pos0 on the host so
 // the launch can size itself; a graph-captured decode passes n_kv_max and reads the real position
-// from pos_dev[0]).
-void attention(const float* q, int64_t ld_q, const DevKv& kv, int pos0, const int32_t* pos_dev, int n_tokens,
+// from pos_dev[0]). Decode (n_tokens <= 8) needs `scratch` of attention_scratch_bytes, zero-filled once
+// when allocated (it holds counters that every call leaves at zero). out_q (optional): where the
+// one-launch decode kernel also writes the output as Q8_K rows of n_head * head_dim_v values (the next
+// mat-vec's input); returns whether it did (it does when each group of query heads spans whole
+// 256-value blocks).
+bool attention(const float* q, int64_t ld_q, const DevKv& kv, int pos0, const int32_t* pos_dev, int n_tokens,
                int n_kv_max, int n_head, int n_head_kv, int head_dim, int head_dim_v, float scale, float* out,
-               int64_t ld_out, void* scratch, size_t scratch_bytes, Stream s);
+               int64_t ld_out, void* scratch, size_t scratch_bytes, Stream s, void* out_q = nullptr);
 size_t attention_scratch_bytes(int n_tokens, int n_kv_max, int n_head, int head_dim_v);
 // Decode attention has two kernels: one launch for up to 2048 visible keys, split-K beyond.
 // A launch captured in a CUDA graph keeps its variant, so a graph captured when n_keys (pos0 + n_tokens)

@@ -11,6 +11,9 @@ namespace fitmoe::gpu {
 int kernel_ptx_version(const void* kernel, const char* what);
 // Shared memory per multiprocessor of the current device.
 size_t smem_per_sm(const char* what);
+// How many CTAs of `threads` threads and `smem` bytes of dynamic shared memory the whole device holds at
+// once (kernels whose CTAs wait for each other must not launch more).
+int resident_ctas(const void* kernel, int threads, size_t smem, const char* what);
 // Opts the kernel into `bytes` of dynamic shared memory when that is over 48 KiB; throws Error naming
 // `what` when the device allows less.
 void need_dynamic_smem(const void* kernel, size_t bytes, const char* what);

@@ -147,6 +147,8 @@ class GpuState final : public ModelState {
   void *acts = nullptr, *dequant = nullptr, *attn_scratch = nullptr;
   unsigned* route_done = nullptr;  // gpu::router_topk's counter
   void* xn_q = nullptr;  // xn in Q8_K, written by residual_norm for the next mat-vecs (decode)
+  void* att_q = nullptr;  // the attention output in Q8_K, written by the decode attention kernel for wo
+  bool att_q_valid = false;
   bool xn_q_valid = false;
   bool ffn_out_combined = false;  // this layer's MoE output is already combined in y (not per slot in ey)
   size_t acts_bytes = 0, dequant_bytes = 0, attn_scratch_bytes = 0, stage_bytes = 0;
@@ -433,6 +435,9 @@ class Qwen3Gpu final : public GpuRunner {
     st.dequant = st.dev_bytes(st.dequant_bytes, "dequantized weight tiles");
     st.attn_scratch_bytes = gpu::attention_scratch_bytes(U, st.n_ctx(), c_.n_head, c_.head_dim_v);
     st.attn_scratch = st.dev_bytes(st.attn_scratch_bytes, "attention scratch");
+    gpu::memset_async(st.attn_scratch, 0, st.attn_scratch_bytes, stream_);  // its counters start at zero
+    if ((static_cast<int64_t>(c_.n_head) * c_.head_dim_v) % 256 == 0)
+      st.att_q = st.dev_bytes(row_bytes(DType::Q8_K, aw) * vec_tokens, "activations");
     // The upload ring for host experts streamed during prefill (sized as the plan assumed).
     if (c_.n_expert) {
       size_t per_expert = 0;
@@ -492,6 +497,7 @@ class Qwen3Gpu final : public GpuRunner {
     const DType act = dtype_info(type).act_type;
     if (act == DType::F32) return x;
     if (act == DType::Q8_K && x == st.xn && st.xn_q_valid && cols == c_.n_embd) return st.xn_q;
+    if (act == DType::Q8_K && x == st.att && st.att_q_valid) return st.att_q;
     gpu::quantize_acts(act, x, cols, nt, cols, st.acts, stream_);
     prof_.mark("quantize activations", stream_);
     return st.acts;
@@ -565,10 +571,17 @@ class Qwen3Gpu final : public GpuRunner {
     gpu::qk_norm_rope_store(st.q, qw, st.k, kw, st.v, vw, G.q_norm, G.k_norm, st.kv[l], st.pos, nt, c.n_head,
                             c.n_head_kv, hd, hdv, c.n_rot, c.rope_base, c.rope_freq_scale, c.rms_eps, stream_);
     prof_.mark("q/k norm + rope + kv store", stream_);
-    gpu::attention(st.q, qw, st.kv[l], pos0, st.pos, nt, st.n_ctx(), c.n_head, c.n_head_kv, hd, hdv,
-                   1.0f / std::sqrt(static_cast<float>(hd)), st.att, aw, st.attn_scratch, st.attn_scratch_bytes, stream_);
+    // The decode kernel can hand wo its input in Q8_K (one quantize launch fewer).
+    void* att_q = st.att_q && nt <= gpu::kMaxVecTokens && G.wo.on_gpu() &&
+                          dtype_info(G.wo.dev.type).act_type == DType::Q8_K
+                      ? st.att_q
+                      : nullptr;
+    st.att_q_valid = gpu::attention(st.q, qw, st.kv[l], pos0, st.pos, nt, st.n_ctx(), c.n_head, c.n_head_kv, hd, hdv,
+                                    1.0f / std::sqrt(static_cast<float>(hd)), st.att, aw, st.attn_scratch,
+                                    st.attn_scratch_bytes, stream_, att_q);
     prof_.mark("attention", stream_);
     linear(st, pool, G.wo, st.att, nt, st.y, E);
+    st.att_q_valid = false;
     prof_.mark("attn output", stream_);
     const GWeight& next = G.moe ? GWeight{G.experts.gate, nullptr} : G.ffn_gate;
     gpu::residual_norm(st.x, st.y, nullptr, nullptr, 0, G.ffn_norm, st.xn, E, nt, c.rms_eps, stream_, nullptr, nullptr,

@@ -858,10 +858,30 @@ void run_attention_case(Stream s, std::function<void()> sync, const AttnCase& c,
   const int n_kv_max = c.graph ? n_ctx : n_keys;
   const size_t sb = attention_scratch_bytes(c.n_tokens, n_kv_max, c.n_head, c.head_dim_v);
   Dev scratch(sb);
-  attention(dq->as<float>(), ld_q, kv, c.pos0, c.graph ? d_pos->as<int32_t>() : nullptr, c.n_tokens, n_kv_max, c.n_head,
-            c.n_head_kv, c.head_dim, c.head_dim_v, scale, dout.as<float>(), ld_out, sb ? scratch.as() : nullptr, sb, s);
+  cudaMemset(scratch.as(), 0, sb);  // the contract: zero-filled once (decode kernels keep counters there)
+  // Decode: also the Q8_K copy of the output where the one-launch kernel writes it.
+  const int64_t aw = static_cast<int64_t>(c.n_head) * c.head_dim_v;
+  const size_t qrow = aw % 256 == 0 ? row_bytes(DType::Q8_K, aw) : 0;
+  Dev oq(qrow * c.n_tokens);
+  bool wrote_q = false;
+  for (int call = 0; call < 2; ++call) {  // twice: the counters must come back to zero
+    wrote_q = attention(dq->as<float>(), ld_q, kv, c.pos0, c.graph ? d_pos->as<int32_t>() : nullptr, c.n_tokens, n_kv_max,
+                        c.n_head, c.n_head_kv, c.head_dim, c.head_dim_v, scale, dout.as<float>(), ld_out,
+                        sb ? scratch.as() : nullptr, sb, s, qrow ? oq.as() : nullptr);
+  }
   sync();
   auto got = dout.down<float>(static_cast<size_t>(ld_out) * c.n_tokens);
+  if (c.n_tokens == 1 && c.pos0 < 2048 && aw % 256 == 0 && c.n_head / c.n_head_kv <= 16 &&
+      (c.n_head / c.n_head_kv * c.head_dim_v) % 256 == 0) {
+    EXPECT_TRUE(wrote_q) << "the short-cache kernel should write the Q8_K output";
+  }
+  if (wrote_q) {  // byte for byte what quantize_acts makes of the float output
+    Dev want(qrow * c.n_tokens);
+    quantize_acts(DType::Q8_K, dout.as<float>(), aw, c.n_tokens, ld_out, want.as(), s);
+    sync();
+    auto a = oq.down<uint8_t>(qrow * c.n_tokens), b = want.down<uint8_t>(qrow * c.n_tokens);
+    for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]) << "Q8_K output byte " << i;
+  }
 
   ThreadPool pool(4);
   cpu::Scratch cs;
@@ -933,6 +953,10 @@ TEST_F(GpuOps, AttentionDecode) {
   run_attention_case(s(), [this] { sync(); }, {16, 4, 128, 128, DType::F32, 2000, 1, false}, seed++); // f32 cache
   run_attention_case(s(), [this] { sync(); }, {16, 4, 128, 128, DType::F16, 100, 3, false}, seed++);  // small batch
   run_attention_case(s(), [this] { sync(); }, {16, 2, 72, 72, DType::F16, 40, 8, true}, seed++);      // dim 72 (padded)
+  // Groups of 8 heads split into subsets while the cache is short (one chunk, then a few).
+  run_attention_case(s(), [this] { sync(); }, {32, 4, 128, 128, DType::F16, 20, 1, true}, seed++);
+  run_attention_case(s(), [this] { sync(); }, {32, 4, 128, 128, DType::F16, 199, 1, false}, seed++);
+  run_attention_case(s(), [this] { sync(); }, {32, 4, 128, 128, DType::F16, 1500, 2, true}, seed++);
   // Caches past the one-launch kernel's 2048 keys take the split-K kernels: the same shapes there.
   run_attention_case(s(), [this] { sync(); }, {8, 8, 64, 64, DType::F16, 2100, 1, false}, seed++);    // MHA, dim 64
   run_attention_case(s(), [this] { sync(); }, {32, 4, 256, 256, DType::F16, 2500, 1, true}, seed++);  // dim 256
