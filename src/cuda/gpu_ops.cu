@@ -531,60 +531,34 @@ __global__ void __launch_bounds__(kMvWarps * 32) mv_float_split_kernel(const MvA
 // Routed experts with their combination fused (decode, every chosen expert on the device): for token
 // t = blockIdx.y and each row, the k slots' products v_j (each exactly as mmvq_kernel computes it,
 // activation row = slot) are combined as moe_combine does, y[t][r] = sum_j wts[t*k+j] * v_j in j order.
+// A CTA takes kCombineRows rows; warp j computes slot j's products for all of them (its loads in flight
+// together, the k experts' loads side by side in the k warps), then one thread per row combines.
+constexpr int kCombineRows = 4;
 template <DType T, int MAXK>
-__global__ void __launch_bounds__(kMvWarps * 32) mmvq_combine_kernel(const MvArgs a, const float* __restrict__ wts,
-                                                                     int k) {
-  using W = WT<T>;
-  constexpr int P = W::kQK / 32;
+__global__ void __launch_bounds__(MAXK * 32) mmvq_combine_kernel(const MvArgs a, const float* __restrict__ wts, int k) {
   pdl_enter();
-  const int t = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kMvWarps + warp;
-  if (row >= a.rows) return;
-  const int64_t nparts = a.cols / 32;
-  float v[MAXK];
-#pragma unroll
-  for (int j = 0; j < MAXK; ++j) {
-    v[j] = 0.0f;
-    if (j >= k) continue;
+  __shared__ float v[MAXK][kCombineRows];
+  const int t = blockIdx.y, j = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kCombineRows;
+  if (j < k) {
     const int slot = t * k + j;
     const int e = a.ids[slot];
     const int m = a.slot_of ? a.slot_of[e] : e;
     if (m < 0) {  // not on the device: the caller broke the contract; make it loud
-      v[j] = __int_as_float(0x7fc00000);
-      continue;
+      if (lane < kCombineRows) v[j][lane] = __int_as_float(0x7fc00000);
+    } else {
+      const uint8_t* wm = a.w + static_cast<size_t>(m) * a.mat_bytes + row0 * a.row_bytes;
+      const uint8_t* acts = a.acts + static_cast<size_t>(slot) * a.act_stride;
+      mmvq_rows<T, 1, kCombineRows, false>(a, wm, nullptr, a.row_bytes, acts, v[j], a.rows - row0, 0, 0, lane);
     }
-    const uint8_t* wr = a.w + static_cast<size_t>(m) * a.mat_bytes + row * a.row_bytes;
-    const uint8_t* acts = a.acts + static_cast<size_t>(slot) * a.act_stride;
-    float acc = 0.0f;
-    for (int64_t base = 0; base < nparts; base += 32) {
-      const int64_t part = base + lane;
-      const bool active = part < nparts;
-      const int64_t blk = part / P;
-      const int p = static_cast<int>(part % P);
-      WPart w;
-      APart x;
-      if (active) {
-        W::decode(wr + blk * W::kBytes, p, w);
-        load_act<W::kFam>(acts, blk, p, x);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) w.q[i] = 0, x.a[i] = 0;
-        w.d = w.m = 0.0f;
-        w.sc0 = w.sc1 = w.mn0 = w.mn1 = 0;
-        x.d = x.s = 0.0f;
-        x.bs0 = x.bs1 = 0;
-      }
-      acc = block_dot<T>(w, x, p, active, acc);
-    }
-    v[j] = warp_sum(acc);
   }
-  if (lane != 0) return;
+  __syncthreads();
+  const int r = threadIdx.x;
+  if (r >= kCombineRows || row0 + r >= a.rows) return;
   const float* wt = wts + static_cast<int64_t>(t) * k;
-  float o = __fmul_rn(v[0], wt[0]);
-#pragma unroll
-  for (int j = 1; j < MAXK; ++j)
-    if (j < k) o = __fadd_rn(o, __fmul_rn(v[j], wt[j]));
-  a.y[t * a.ld_y + row] = o;
+  float o = __fmul_rn(v[0][r], wt[0]);
+  for (int i = 1; i < k; ++i) o = __fadd_rn(o, __fmul_rn(v[i][r], wt[i]));
+  a.y[t * a.ld_y + row0 + r] = o;
 }
 
 template <DType T, int NT, DType T2 = T>
@@ -602,8 +576,9 @@ void launch_mvq_nt(const MvArgs& a0, unsigned n_slots, cudaStream_t s) {
 template <DType T, DType T2 = T>
 void launch_mvq(const MvArgs& a, unsigned n_slots, cudaStream_t s) {
   if (a.w2) {  // gated experts: one token per slot
-    const dim3 grid(blocks_for(a.rows, kMvWarps), n_slots);
-    launch(mmvq_kernel<T, 1, 1, true>, grid, kMvWarps * 32, 0, s, a);
+    // Two rows per warp: their loads in flight together (measured on the H200: +1.6% decode over one).
+    const dim3 grid(blocks_for(a.rows, kMvWarps * 2), n_slots);
+    launch(mmvq_kernel<T, 1, 2, true>, grid, kMvWarps * 32, 0, s, a);
     return;
   }
   if (a.n_tokens <= 1) launch_mvq_nt<T, 1, T2>(a, n_slots, s);
@@ -2664,10 +2639,10 @@ void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_
   MvArgs a = mv_args(w, acts, 1, y, ld_y, "matvec_experts_combine");
   a.ids = ids;
   a.slot_of = slot_of;
-  const dim3 grid(blocks_for(w.rows, kMvWarps), static_cast<unsigned>(n_tokens));
+  const dim3 grid(blocks_for(w.rows, kCombineRows), static_cast<unsigned>(n_tokens));
   const cudaStream_t st = cs(s);
   with_quant_type(w.type, "matvec_experts_combine", [&](auto T) {
-    launch(mmvq_combine_kernel<decltype(T)::value, 8>, grid, kMvWarps * 32, 0, st, a, wts, k);
+    launch(mmvq_combine_kernel<decltype(T)::value, 8>, grid, 8 * 32, 0, st, a, wts, k);
   });
   launched("matvec_experts_combine");
 }
