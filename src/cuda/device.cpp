@@ -264,6 +264,11 @@ void* alloc_pinned(size_t n) {
   return p;
 }
 void free_pinned(void* p) { cudaFreeHost(p); }
+void* device_view(void* pinned) {
+  void* d = nullptr;
+  check(cudaHostGetDevicePointer(&d, pinned, 0), "cudaHostGetDevicePointer");
+  return d;
+}
 
 void begin_capture(void* s) {
   check(cudaStreamBeginCapture(static_cast<cudaStream_t>(s), cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");

@@ -70,6 +70,9 @@ void pin_host(const void* p, size_t bytes);
 void unpin_host(const void* p);
 void* alloc_pinned(size_t bytes);  // cudaMallocHost
 void free_pinned(void* p);
+// The address kernels use for pinned host memory (they read it over the bus; the same address under
+// unified addressing).
+void* device_view(void* pinned);
 
 // CUDA graphs of a stream's work.
 void begin_capture(void* stream);

@@ -1115,6 +1115,39 @@ __global__ void rope_neox_kernel(float* x, int n_heads, int head_dim, int64_t ld
   }
 }
 
+// Waits until the host has published this step's rows (*flag == *epoch: the host stores the flag after
+// the rows, both in pinned memory), then copies the rows of the slots whose expert is host-resident
+// (slot_of[ids[j]] < 0) from host memory into dst. One CTA per (4096-byte piece, slot); each CTA's
+// thread 0 polls. A host that never publishes (a bug) ends in a trap after about 10 s, so the error
+// surfaces at the next CUDA call instead of a hang.
+__global__ void wait_host_rows_kernel(const unsigned* flag, const unsigned* epoch, const float* src, float* dst,
+                                      const int32_t* ids, const int32_t* slot_of, int width) {
+  pdl_enter();
+  __shared__ bool host;
+  const int j = blockIdx.y;
+  if (threadIdx.x == 0) {
+    const unsigned want = *epoch;
+    unsigned seen;
+    for (long long spins = 0;; ++spins) {
+      asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(seen) : "l"(flag) : "memory");
+      if (seen == want) break;
+      if (spins > (10ll << 20)) __trap();
+      __nanosleep(500);
+    }
+    host = slot_of[ids[j]] < 0;
+  }
+  __syncthreads();
+  if (!host) return;
+  const int64_t i0 = static_cast<int64_t>(blockIdx.x) * blockDim.x * 4 + threadIdx.x * 4;
+  const float* s = src + static_cast<int64_t>(j) * width;
+  float* d = dst + static_cast<int64_t>(j) * width;
+  if (i0 + 4 <= width && width % 4 == 0) {
+    *reinterpret_cast<float4*>(d + i0) = __ldcv(reinterpret_cast<const float4*>(s + i0));
+  } else {
+    for (int64_t i = i0; i < i0 + 4 && i < width; ++i) d[i] = __ldcv(s + i);
+  }
+}
+
 __global__ void copy_rows_kernel(const float* __restrict__ src, int64_t ld_src, const int32_t* __restrict__ src_rows,
                                  float* __restrict__ dst, int64_t ld_dst, const int32_t* __restrict__ dst_rows, int width) {
   const int i = blockIdx.y;
@@ -2645,6 +2678,16 @@ void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_
     launch(mmvq_combine_kernel<decltype(T)::value, 8>, grid, 8 * 32, 0, st, a, wts, k);
   });
   launched("matvec_experts_combine");
+}
+
+void wait_host_rows(const unsigned* host_flag, const unsigned* epoch, const float* host_rows, float* dst,
+                    const int32_t* ids, const int32_t* slot_of, int n_slots, int width, Stream s) {
+  if (n_slots <= 0 || width <= 0) return;
+  if (n_slots > 65535) fail("wait_host_rows: too many slots");
+  if (!aligned(host_rows, 16) || !aligned(dst, 16)) fail("wait_host_rows: rows must be 16-byte aligned");
+  const dim3 grid(blocks_for(width, 256 * 4), static_cast<unsigned>(n_slots));
+  launch(wait_host_rows_kernel, grid, 256, 0, cs(s), host_flag, epoch, host_rows, dst, ids, slot_of, width);
+  launched("wait_host_rows");
 }
 
 void copy_rows(const float* src, int64_t ld_src, const int32_t* src_rows, float* dst, int64_t ld_dst,

@@ -98,6 +98,13 @@ void matvec_experts_glu(const DevMatrix& gate, const DevMatrix& up, const int32_
                         int n_slots, const void* acts, const int32_t* act_row, float* y, int64_t ld_y, Stream s,
                         const DevMatrix* then = nullptr);
 // dst[dst_rows ? dst_rows[i] : i] = src[src_rows ? src_rows[i] : i] for i < n rows of `width` floats.
+// Hybrid decode, the GPU side of the hand-over from the CPU's experts: waits until *host_flag (pinned
+// host memory, device view) equals *epoch (device), then copies the rows j < n_slots of host_rows
+// (pinned, device view; rows of `width` floats) whose expert is host-resident (slot_of[ids[j]] < 0)
+// into dst. The host writes the rows first and the flag last. Lets the GPU work after the hand-over
+// be queued before the CPU has finished.
+void wait_host_rows(const unsigned* host_flag, const unsigned* epoch, const float* host_rows, float* dst,
+                    const int32_t* ids, const int32_t* slot_of, int n_slots, int width, Stream s);
 void copy_rows(const float* src, int64_t ld_src, const int32_t* src_rows, float* dst, int64_t ld_dst,
                const int32_t* dst_rows, int n, int width, Stream s);
 

@@ -15,6 +15,7 @@
 // the layers will use them, so the copies of later layers run while earlier layers compute and the
 // PCIe link never waits for the routing.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <cmath>
@@ -110,7 +111,8 @@ class GpuState final : public ModelState {
     for (void* p : pinned) gpu::free_pinned(p);
     for (void* g : graphs)
       if (g) gpu::destroy_graph(g);
-    if (ev_route) gpu::destroy_event(ev_route);
+    for (void* e : ev_route)
+      if (e) gpu::destroy_event(e);
     for (int i = 0; i < kPrefillStageSlots; ++i)
       for (void* e : {ev_free[i], ev_filled[i]})
         if (e) gpu::destroy_event(e);
@@ -154,10 +156,19 @@ class GpuState final : public ModelState {
   size_t acts_bytes = 0, dequant_bytes = 0, attn_scratch_bytes = 0, stage_bytes = 0;
   // Pinned host exchange buffers.
   float *h_x = nullptr, *h_xn = nullptr, *h_wts = nullptr, *h_ey = nullptr, *h_out = nullptr;
-  float* h_ey_slots = nullptr;  // the CPU's expert outputs in slot order (decode), sent up as one copy
-  float* ey_host = nullptr;     // device copy of h_ey_slots
+  float* h_ey_slots = nullptr;  // the CPU's expert outputs in slot order (decode), read by gpu::wait_host_rows
+  float* ey_host = nullptr;     // device copy of h_ey_slots' host rows
   int32_t *h_ids = nullptr, *h_pos = nullptr, *h_idx = nullptr;
-  void* ev_route = nullptr;
+  // The hand-over from the CPU's experts (decode): per layer a flag the host sets to this micro-batch's
+  // epoch once its rows are in h_ey_slots; the epoch counts micro-batches (never reused, unlike a
+  // position) and goes up with the positions.
+  unsigned* h_flags = nullptr;
+  const unsigned* flags_dev = nullptr;    // (device views of h_flags and h_ey_slots)
+  const float* ey_slots_dev = nullptr;
+  unsigned* h_epoch = nullptr;
+  unsigned* epoch_dev = nullptr;
+  unsigned epoch = 0;
+  std::vector<void*> ev_route;  // per layer: its routing is in h_ids / h_xn (the GPU runs ahead of the CPU)
   int32_t* offsets = nullptr;               // grouped-expert offsets [n_expert + 1]
   // The prefill upload ring: chunk i of a micro-batch's stream goes to buffer i % kPrefillStageSlots.
   void* copy_stream = nullptr;
@@ -466,7 +477,15 @@ class Qwen3Gpu final : public GpuRunner {
     // Host-side products (weights the plan left on the host): logits come in slices of 64 rows.
     st.h_out = st.host<float>(std::max<size_t>(static_cast<size_t>(64) * c_.n_vocab,
                                                static_cast<size_t>(U) * std::max<int64_t>({qw, aw, n, ff, E})));
-    st.ev_route = gpu::create_event();
+    st.ev_route.assign(c_.n_layer, nullptr);
+    for (int l = 0; l < c_.n_layer; ++l)
+      if (hybrid(l)) st.ev_route[l] = gpu::create_event();
+    st.h_flags = st.host<unsigned>(c_.n_layer);
+    std::memset(st.h_flags, 0, sizeof(unsigned) * c_.n_layer);
+    st.flags_dev = static_cast<const unsigned*>(gpu::device_view(st.h_flags));
+    st.ey_slots_dev = static_cast<const float*>(gpu::device_view(st.h_ey_slots));
+    st.h_epoch = st.host<unsigned>(1);
+    st.epoch_dev = static_cast<unsigned*>(st.dev_bytes(sizeof(unsigned), "activations"));
     gpu::sync_stream(stream_);
   }
 
@@ -627,7 +646,7 @@ class Qwen3Gpu final : public GpuRunner {
       // the GPU runs its own experts.
       gpu::copy_d2h(st.h_ids, st.ids, sizeof(int32_t) * n_slots, stream_);
       gpu::copy_d2h(st.h_xn, st.xn, sizeof(float) * nt * E, stream_);
-      gpu::record_event(st.ev_route, stream_);
+      gpu::record_event(st.ev_route[l], stream_);
     }
     if (X.n_dev > 0) {
       const void* acts = vec_acts(st, X.gate.type, st.xn, nt, E);
@@ -656,23 +675,24 @@ class Qwen3Gpu final : public GpuRunner {
   bool hybrid(int l) const { return layers_[l].moe && layers_[l].experts.n_dev < c_.n_expert; }
 
   // FFN block, CPU side (hybrid MoE layers, micro-batches of at most kMaxVecTokens): wait for the
-  // routing, run the chosen host-resident experts on the CPU threads, and send their outputs up in one
-  // copy into st.ey_host (slot order), where ffn_finish reads the host slots' rows.
+  // routing, run the chosen host-resident experts on the CPU threads, put their outputs in h_ey_slots
+  // (slot order) and publish them with the layer's flag; the GPU, already queued up to the next layer's
+  // routing, waits for that flag in ffn_finish (gpu::wait_host_rows) and copies the rows up itself.
   void ffn_host(GpuState& st, ThreadPool& pool, int l, int nt) {
     const int E = c_.n_embd, k = c_.n_expert_used, n_slots = nt * k;
     GExperts& X = layers_[l].experts;
-    gpu::sync_event(st.ev_route);
+    gpu::sync_event(st.ev_route[l]);
     std::vector<int32_t> tok, exp, slot;
     for (int j = 0; j < n_slots; ++j)
       if (X.slot_of[st.h_ids[j]] < 0) tok.push_back(j / k), exp.push_back(st.h_ids[j]), slot.push_back(j);
-    if (tok.empty()) return;
-    cpu::expert_ffn(pool, *X.host, st.h_xn, nt, E, tok.data(), exp.data(), static_cast<int>(tok.size()), st.h_ey,
-                    st.cpu_scratch);
-    for (size_t i = 0; i < slot.size(); ++i)
-      std::memcpy(st.h_ey_slots + static_cast<size_t>(slot[i]) * E, st.h_ey + i * E, sizeof(float) * E);
-    const int span = slot.back() + 1;  // rows up to the last host slot (the others are not read)
-    gpu::copy_h2d(st.ey_host, st.h_ey_slots, sizeof(float) * span * E, stream_);
-    prof_.mark("host experts (GPU waits)", stream_);
+    if (!tok.empty()) {
+      cpu::expert_ffn(pool, *X.host, st.h_xn, nt, E, tok.data(), exp.data(), static_cast<int>(tok.size()), st.h_ey,
+                      st.cpu_scratch);
+      for (size_t i = 0; i < slot.size(); ++i)
+        std::memcpy(st.h_ey_slots + static_cast<size_t>(slot[i]) * E, st.h_ey + i * E, sizeof(float) * E);
+    }
+    // The rows before the flag (x86 keeps stores in order; the release keeps the compiler from moving them).
+    std::atomic_ref<unsigned>(st.h_flags[l]).store(st.epoch, std::memory_order_release);
   }
 
   // End of the FFN block: add the FFN output (for MoE the experts' outputs combined) to the residual,
@@ -684,6 +704,11 @@ class Qwen3Gpu final : public GpuRunner {
     float* xn = last ? nullptr : st.xn;
     const GExperts& X = layers_[l].experts;
     void* xq = last ? nullptr : xn_q_for(st, layers_[l + 1].wq, nt);
+    if (host_rows) {
+      gpu::wait_host_rows(st.flags_dev + l, st.epoch_dev, st.ey_slots_dev, st.ey_host, st.ids, X.slot_of_dev,
+                          nt * c_.n_expert_used, c_.n_embd, stream_);
+      prof_.mark("host experts (GPU waits)", stream_);
+    }
     if (layers_[l].moe && !st.ffn_out_combined)
       gpu::residual_norm(st.x, nullptr, st.ey, st.wts, c_.n_expert_used, next_norm, xn, c_.n_embd, nt, c_.rms_eps,
                          stream_, host_rows ? st.ey_host : nullptr, st.ids, X.slot_of_dev, xq);
@@ -711,11 +736,13 @@ class Qwen3Gpu final : public GpuRunner {
     const int nt = static_cast<int>(tokens.size());
     gpu::sync_stream(stream_);  // the pinned inputs may still be read by the previous micro-batch
     for (int t = 0; t < nt; ++t) st.h_pos[t] = pos0 + t;
+    *st.h_epoch = ++st.epoch;
     if (embed_dev_.data) std::memcpy(st.h_idx, tokens.data(), sizeof(int32_t) * nt);
     else cpu::embed(pool, w_.tok_embd, tokens, st.h_x);
   }
   void upload_inputs(GpuState& st, int nt) {
     gpu::copy_h2d(st.pos, st.h_pos, sizeof(int32_t) * nt, stream_);
+    gpu::copy_h2d(st.epoch_dev, st.h_epoch, sizeof(unsigned), stream_);
     if (embed_dev_.data) {
       gpu::copy_h2d(st.tokens, st.h_idx, sizeof(int32_t) * nt, stream_);
       gpu::embed_rows(embed_dev_, st.tokens, nt, st.x, stream_);
@@ -771,10 +798,15 @@ class Qwen3Gpu final : public GpuRunner {
       attention_block(st, pool, 0, 1, pos0);
       ffn_gpu(st, pool, 0, 1);
     }
+    // A hybrid layer ends a graph; the CPU runs its experts only once the next graph (which waits for
+    // them, then goes on to the next hybrid layer's routing) is queued, so the GPU never waits for a
+    // launch.
+    int host_layer = -1;  // a hybrid layer whose CPU experts are still to run
     for (int l = 0; l < L; ++l) {
       if (hybrid(l)) {
         seg.end();
-        ffn_host(st, pool, l, 1);
+        if (host_layer >= 0) ffn_host(st, pool, host_layer, 1);
+        host_layer = l;
         seg.begin();
       }
       if (!seg.recording()) continue;
@@ -787,6 +819,7 @@ class Qwen3Gpu final : public GpuRunner {
       }
     }
     seg.end();
+    if (host_layer >= 0) ffn_host(st, pool, host_layer, 1);
     gpu::sync_stream(stream_);
     if (logits) std::memcpy(logits, st.h_out, sizeof(float) * c_.n_vocab);
   }
@@ -801,6 +834,9 @@ class Qwen3Gpu final : public GpuRunner {
     input_norm(st, nt);
     prof_.mark("inputs + first norm", stream_);
     if (nt > gpu::kMaxVecTokens) start_expert_stream(st, nt);
+    // Decode-sized micro-batches queue the GPU work up to the next hybrid layer's routing before the
+    // CPU runs a hybrid layer's experts (as the graphs do); prefill runs layer by layer.
+    int host_layer = -1;
     for (int l = 0; l < c_.n_layer; ++l) {
       attention_block(st, pool, l, nt, pos0);
       if (layers_[l].moe && nt > gpu::kMaxVecTokens) {
@@ -809,10 +845,13 @@ class Qwen3Gpu final : public GpuRunner {
         continue;
       }
       ffn_gpu(st, pool, l, nt);
-      if (hybrid(l)) ffn_host(st, pool, l, nt);
+      if (hybrid(l)) {
+        if (host_layer >= 0) ffn_host(st, pool, host_layer, nt);
+        host_layer = l;
+      }
       ffn_finish(st, l, nt, hybrid(l));
-      if (hybrid(l)) gpu::sync_stream(stream_);  // h_ey is rewritten by the next layer
     }
+    if (host_layer >= 0) ffn_host(st, pool, host_layer, nt);
     for (int r0 = 0; r0 < n_out; r0 += 64) {
       head(st, pool, nt, n_out, r0);
       gpu::sync_stream(stream_);

@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -18,6 +20,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda/gpu_ops.h"
@@ -394,6 +397,47 @@ TEST_F(GpuOps, MatvecExpertsCombineEqualsExpertsAndCombine) {
       }
     }
   }
+}
+
+// The hand-over from the CPU's experts: the kernel waits for the flag to reach the epoch (here set by
+// the host while the kernel is already waiting), then copies exactly the host slots' rows; device
+// slots' rows stay untouched. A second round with a new epoch must wait again (the old flag value
+// does not count) and see the new rows.
+TEST_F(GpuOps, WaitHostRowsWaitsForTheFlagAndCopiesHostSlots) {
+  const int width = 2048 + 4, n_slots = 6;  // (a width that leaves a partial piece)
+  const std::vector<int32_t> ids = {3, 0, 5, 1, 2, 4};
+  const std::vector<int32_t> slot_of = {0, -1, 1, -1, -1, 2};  // experts 1, 3, 4 on the host
+  auto d_ids = upload(ids), d_slot = upload(slot_of);
+  float* rows = nullptr;
+  unsigned* flag = nullptr;
+  ASSERT_EQ(cudaMallocHost(&rows, sizeof(float) * n_slots * width), cudaSuccess);
+  ASSERT_EQ(cudaMallocHost(&flag, sizeof(unsigned)), cudaSuccess);
+  *flag = 0;
+  Dev dst(sizeof(float) * n_slots * width), epoch(sizeof(unsigned));
+  void *d_rows = nullptr, *d_flag = nullptr;
+  ASSERT_EQ(cudaHostGetDevicePointer(&d_rows, rows, 0), cudaSuccess);
+  ASSERT_EQ(cudaHostGetDevicePointer(&d_flag, flag, 0), cudaSuccess);
+  for (unsigned round = 1; round <= 2; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    epoch.up(&round, sizeof(unsigned));
+    for (int i = 0; i < n_slots * width; ++i) rows[i] = -1.0f;  // not yet the outputs
+    wait_host_rows(static_cast<const unsigned*>(d_flag), epoch.as<unsigned>(), static_cast<const float*>(d_rows),
+                   dst.as<float>(), d_ids->as<int32_t>(), d_slot->as<int32_t>(), n_slots, width, s());
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_EQ(cudaStreamQuery(static_cast<cudaStream_t>(s())), cudaErrorNotReady) << "did not wait for the flag";
+    for (int i = 0; i < n_slots * width; ++i) rows[i] = static_cast<float>(round * 100000 + i);
+    std::atomic_ref<unsigned>(*flag).store(round, std::memory_order_release);
+    sync();
+    auto got = dst.down<float>(static_cast<size_t>(n_slots) * width);
+    for (int j = 0; j < n_slots; ++j)
+      for (int i = 0; i < width; ++i) {
+        const float g = got[static_cast<size_t>(j) * width + i];
+        if (slot_of[ids[j]] < 0) ASSERT_EQ(g, static_cast<float>(round * 100000 + j * width + i)) << j << " " << i;
+        else ASSERT_TRUE(is_poison(g)) << "device slot " << j << " written";
+      }
+  }
+  cudaFreeHost(rows);
+  cudaFreeHost(flag);
 }
 
 TEST_F(GpuOps, MatvecRejectsBadInput) {
