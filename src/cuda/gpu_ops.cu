@@ -1118,8 +1118,8 @@ __global__ void rope_neox_kernel(float* x, int n_heads, int head_dim, int64_t ld
 // Waits until the host has published this step's rows (*flag == *epoch: the host stores the flag after
 // the rows, both in pinned memory), then copies the rows of the slots whose expert is host-resident
 // (slot_of[ids[j]] < 0) from host memory into dst. One CTA per (4096-byte piece, slot); each CTA's
-// thread 0 polls. A host that never publishes (a bug) ends in a trap after about 10 s, so the error
-// surfaces at the next CUDA call instead of a hang.
+// thread 0 polls. A host that never publishes (a bug) ends in a trap after 30 s, so the error surfaces
+// at the next CUDA call instead of a hang.
 __global__ void wait_host_rows_kernel(const unsigned* flag, const unsigned* epoch, const float* src, float* dst,
                                       const int32_t* ids, const int32_t* slot_of, int width) {
   pdl_enter();
@@ -1128,10 +1128,13 @@ __global__ void wait_host_rows_kernel(const unsigned* flag, const unsigned* epoc
   if (threadIdx.x == 0) {
     const unsigned want = *epoch;
     unsigned seen;
-    for (long long spins = 0;; ++spins) {
+    uint64_t t0, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    for (;;) {
       asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(seen) : "l"(flag) : "memory");
       if (seen == want) break;
-      if (spins > (10ll << 20)) __trap();
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+      if (now - t0 > 30ull * 1000000000ull) __trap();  // 30 s (the host sets flags even when it fails)
       __nanosleep(500);
     }
     host = slot_of[ids[j]] < 0;
@@ -1625,8 +1628,15 @@ __global__ void __launch_bounds__(kGroupThreads) attn_dec_group_kernel(const Att
   pdl_enter();
   if (nvis > kShortKeys) {  // the caller chose the wrong variant: say so loudly, never silently
     float* out = a.out + t * a.ld_out + static_cast<int64_t>(g) * a.group * a.hdv;
-    if (blockIdx.x == 0)
+    if (blockIdx.x == 0) {
       for (int e = tid; e < a.group * a.hdv; e += kGroupThreads) out[e] = __int_as_float(0x7fc00000);
+      if (a.out_q) {  // (the Q8_K copy too: a NaN scale per block)
+        const size_t qstride = static_cast<size_t>(a.n_head) * a.hdv / 256 * 292;
+        const int b0 = g * a.group * a.hdv / 256;
+        for (int b = tid; b < a.group * a.hdv / 256; b += kGroupThreads)
+          *reinterpret_cast<float*>(a.out_q + t * qstride + static_cast<size_t>(b0 + b) * 292) = __int_as_float(0x7fc00000);
+      }
+    }
     return;
   }
   if (!gm.active) return;  // (uniform per group: these CTAs take no part in its barriers)
@@ -1641,7 +1651,8 @@ __global__ void __launch_bounds__(kGroupThreads) attn_dec_group_kernel(const Att
   const int row0 = g * a.group + gm.sub * G;  // first query head of the CTA
   float* out = a.out + t * a.ld_out + static_cast<int64_t>(row0) * a.hdv;
   const size_t slot = (static_cast<size_t>(t) * nkv + g) * gm.hs + gm.sub;  // this (token, kv head, subset)
-  unsigned* cnt = a.counters + slot;
+  // (The counter by head index, not by slot: tokens of one launch may split their groups differently.)
+  unsigned* cnt = a.counters + (static_cast<size_t>(t) * nkv + g) * a.group + gm.sub;
   float* st_m = a.st_m + slot * kGroupChunks * G;    // [chunk][G]
   double* st_l = a.st_l + slot * kGroupChunks * G;   // [chunk][G]
   float* opart = a.opart + slot * kGroupChunks * G * a.hdv;  // [chunk][G][hdv]
@@ -2251,7 +2262,9 @@ DecodeLayout decode_layout(int n_tokens, int keys_max, int n_head, int hdv) {
   // enough splits for any real key count <= keys_max (its split length may be as short as 64)
   d.n_splits = std::min(kMaxSplits, (d.keys_max + 63) / 64);
   const size_t rows = static_cast<size_t>(n_tokens) * n_head;
-  const size_t base = align256(rows * sizeof(unsigned));  // counters: at most one per (token, head)
+  // Counters: one per (token, head) for the most tokens a decode call takes, whatever this call's token
+  // count, so that they stay where they are (and zero) from call to call.
+  const size_t base = align256(static_cast<size_t>(kDecodeMaxTokens) * n_head * sizeof(unsigned));
   d.off_s = base;
   d.off_m = base + align256(rows * d.keys_max * sizeof(float));
   d.off_l = d.off_m + align256(rows * kMaxSplits * sizeof(float));

@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <numeric>
 #include <string>
@@ -392,10 +393,11 @@ class Qwen3Gpu final : public GpuRunner {
     }
     // Decode graphs need every op of a step on the GPU (a host-resident non-expert weight makes its
     // product synchronise with the host); FITMOE_NO_GRAPHS=1 turns them off for comparison.
-    graphs_ok_ = output_.on_gpu() && !std::getenv("FITMOE_NO_GRAPHS") && !prof_.on();
+    host_products_ = !output_.on_gpu();
     for (auto& G : layers_)
       for (const GWeight* w : {&G.wq, &G.wk, &G.wv, &G.wo, &G.router, &G.ffn_gate, &G.ffn_up, &G.ffn_down})
-        if (w->host && *w->host && !w->on_gpu()) graphs_ok_ = false;
+        if (w->host && *w->host && !w->on_gpu()) host_products_ = true;
+    graphs_ok_ = !host_products_ && !std::getenv("FITMOE_NO_GRAPHS") && !prof_.on();
   }
 
   void allocate_scratch(GpuState& st) {
@@ -751,6 +753,22 @@ class Qwen3Gpu final : public GpuRunner {
     }
   }
 
+  // Sets every layer's hand-over flag to the current epoch when a step is left by an exception, so
+  // that no kernel is left waiting for a flag the host will never set (the rows are then garbage, but
+  // the error is already on its way to the caller).
+  class FlagGuard {
+   public:
+    FlagGuard(GpuState& st, int n_layer) : st_(st), n_(n_layer), exceptions_(std::uncaught_exceptions()) {}
+    ~FlagGuard() {
+      if (std::uncaught_exceptions() > exceptions_)
+        for (int l = 0; l < n_; ++l) std::atomic_ref<unsigned>(st_.h_flags[l]).store(st_.epoch, std::memory_order_release);
+    }
+
+   private:
+    GpuState& st_;
+    int n_, exceptions_;
+  };
+
   // Decode steps replay CUDA graphs: one per stretch of GPU work between two points where the CPU
   // must act (the host experts of a hybrid layer). Captured at the first step of a state, and again
   // when the decode attention variant changes with the cache length; positions, tokens and expert
@@ -790,6 +808,7 @@ class Qwen3Gpu final : public GpuRunner {
       st.graphs.clear();
       st.graphs_variant = variant;
     }
+    const FlagGuard guard(st, c_.n_layer);
     Segments seg(st.graphs, stream_);
     seg.begin();
     if (seg.recording()) {
@@ -835,7 +854,9 @@ class Qwen3Gpu final : public GpuRunner {
     prof_.mark("inputs + first norm", stream_);
     if (nt > gpu::kMaxVecTokens) start_expert_stream(st, nt);
     // Decode-sized micro-batches queue the GPU work up to the next hybrid layer's routing before the
-    // CPU runs a hybrid layer's experts (as the graphs do); prefill runs layer by layer.
+    // CPU runs a hybrid layer's experts (as the graphs do); prefill runs layer by layer. If anything
+    // throws while the GPU may be waiting for a flag, the flags are set so that it can finish.
+    const FlagGuard guard(st, c_.n_layer);
     int host_layer = -1;
     for (int l = 0; l < c_.n_layer; ++l) {
       attention_block(st, pool, l, nt, pos0);
@@ -848,6 +869,9 @@ class Qwen3Gpu final : public GpuRunner {
       if (hybrid(l)) {
         if (host_layer >= 0) ffn_host(st, pool, host_layer, nt);
         host_layer = l;
+        // A product on the host waits for the stream, which would wait for this layer's flag: no
+        // queueing ahead then.
+        if (host_products_) ffn_host(st, pool, l, nt), host_layer = -1;
       }
       ffn_finish(st, l, nt, hybrid(l));
     }
@@ -1058,6 +1082,7 @@ class Qwen3Gpu final : public GpuRunner {
   DevMatrix embed_dev_;
   std::vector<GLayer> layers_;
   bool graphs_ok_ = false;
+  bool host_products_ = false;  // a non-expert product runs on the host (it waits for the stream)
   OpProfile prof_;
   const int chunk_experts_;  // host experts per streamed prefill chunk
 };

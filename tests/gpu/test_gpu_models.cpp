@@ -39,6 +39,9 @@ std::unique_ptr<Model> load_gpu(const std::string& path, const std::string& mode
   if (mode.find("/chunk1") != std::string::npos) lo.plan.prefill_chunk_experts = 1;
   if (base == "cpu_moe") lo.plan.cpu_moe = true;
   if (base == "n_cpu_moe1") lo.plan.n_cpu_moe = 1;
+  // A dense product on the host as well (no decode graphs; its host step waits for the stream, which
+  // the hybrid hand-over must not leave waiting for a flag).
+  if (mode.find("/wo_host") != std::string::npos) lo.plan.overrides = parse_overrides({"blk\\.1\\.attn_output\\.weight=cpu"});
   if (base == "half_budget") {
     // First plan with the whole card, then a budget that leaves room for half of the experts.
     LoadOptions probe = lo;
@@ -96,7 +99,7 @@ std::vector<GpuCase> cases() {
     out.push_back({"qwen3moe-tiny", t, "gpu"});
   for (const char* t : {"f32", "q4_k_m"})
     for (const char* m : {"cpu_moe/upload", "cpu_moe/upload/chunk1", "cpu_moe/cpu", "n_cpu_moe1/upload",
-                          "half_budget/upload", "half_budget/upload/chunk1", "half_budget/cpu"})
+                          "half_budget/upload", "half_budget/upload/chunk1", "half_budget/cpu", "n_cpu_moe1/cpu/wo_host"})
       out.push_back({"qwen3moe-tiny", t, m});
   for (const char* t : {"f32", "q8_0"}) out.push_back({"qwen3-draft", t, "gpu"});
   return out;

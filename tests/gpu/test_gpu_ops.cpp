@@ -852,7 +852,8 @@ struct AttnCase {
 
 size_t esize(DType t) { return t == DType::F16 ? 2 : 4; }
 
-void run_attention_case(Stream s, std::function<void()> sync, const AttnCase& c, uint64_t seed) {
+// shared: a scratch kept across calls (zeroed once by the caller), as the engine keeps one per state.
+void run_attention_case(Stream s, std::function<void()> sync, const AttnCase& c, uint64_t seed, Dev* shared = nullptr) {
   SCOPED_TRACE("heads " + std::to_string(c.n_head) + "/" + std::to_string(c.n_head_kv) + " dims " +
                std::to_string(c.head_dim) + "/" + std::to_string(c.head_dim_v) + " " + dtype_name(c.cache) + " pos0 " +
                std::to_string(c.pos0) + " tokens " + std::to_string(c.n_tokens) + (c.graph ? " (graph)" : ""));
@@ -900,9 +901,11 @@ void run_attention_case(Stream s, std::function<void()> sync, const AttnCase& c,
   auto dq = upload(q);
   Dev dout(static_cast<size_t>(ld_out) * c.n_tokens * sizeof(float));
   const int n_kv_max = c.graph ? n_ctx : n_keys;
-  const size_t sb = attention_scratch_bytes(c.n_tokens, n_kv_max, c.n_head, c.head_dim_v);
-  Dev scratch(sb);
-  cudaMemset(scratch.as(), 0, sb);  // the contract: zero-filled once (decode kernels keep counters there)
+  Dev own(shared ? 1 : attention_scratch_bytes(c.n_tokens, n_kv_max, c.n_head, c.head_dim_v));
+  if (!shared) cudaMemset(own.as(), 0, own.size());  // the contract: zero-filled once (decode kernels keep counters there)
+  Dev& scratch = shared ? *shared : own;
+  const size_t sb = scratch.size();
+  ASSERT_GE(sb, attention_scratch_bytes(c.n_tokens, n_kv_max, c.n_head, c.head_dim_v));
   // Decode: also the Q8_K copy of the output where the one-launch kernel writes it.
   const int64_t aw = static_cast<int64_t>(c.n_head) * c.head_dim_v;
   const size_t qrow = aw % 256 == 0 ? row_bytes(DType::Q8_K, aw) : 0;
@@ -1007,6 +1010,24 @@ TEST_F(GpuOps, AttentionDecode) {
   run_attention_case(s(), [this] { sync(); }, {16, 4, 128, 128, DType::F32, 3000, 1, false}, seed++); // f32 cache
   run_attention_case(s(), [this] { sync(); }, {16, 4, 128, 128, DType::F16, 2046, 3, false}, seed++); // 2049 keys
   run_attention_case(s(), [this] { sync(); }, {16, 2, 72, 72, DType::F16, 2200, 8, true}, seed++);    // dim 72, 8 tokens
+}
+
+// One scratch for a sequence of decode calls of different token counts and cache lengths (the
+// counters must stay put and come back to zero), including batches whose tokens split their head
+// groups differently (visible keys across 64/65, 128/129 and 256/257).
+TEST_F(GpuOps, AttentionDecodeKeepsItsScratchAcrossCalls) {
+  Dev scratch(attention_scratch_bytes(8, 4096, 32, 128));
+  cudaMemset(scratch.as(), 0, scratch.size());
+  uint64_t seed = 760;
+  for (const AttnCase& c : std::vector<AttnCase>{{32, 4, 128, 128, DType::F16, 10, 1, false},
+                                                 {32, 4, 128, 128, DType::F16, 62, 4, false},
+                                                 {32, 4, 128, 128, DType::F16, 30, 1, true},
+                                                 {32, 4, 128, 128, DType::F16, 126, 4, true},
+                                                 {32, 4, 128, 128, DType::F16, 254, 3, false},
+                                                 {32, 4, 128, 128, DType::F16, 1000, 8, false},
+                                                 {32, 4, 128, 128, DType::F16, 61, 5, false},
+                                                 {32, 4, 128, 128, DType::F16, 5, 1, false}})
+    run_attention_case(s(), [this] { sync(); }, c, seed++, &scratch);
 }
 
 TEST_F(GpuOps, AttentionPrefill) {
