@@ -15,8 +15,10 @@ namespace fitmoe::gguf {
 namespace {
 
 void append(std::vector<uint8_t>& b, const void* p, size_t n) {
-  auto* c = static_cast<const uint8_t*>(p);
-  b.insert(b.end(), c, c + n);
+  // (resize + memcpy rather than insert: GCC 12 warns falsely about insert into an empty vector)
+  const size_t at = b.size();
+  b.resize(at + n);
+  if (n) std::memcpy(b.data() + at, p, n);
 }
 template <typename T>
 void append_pod(std::vector<uint8_t>& b, T v) { append(b, &v, sizeof v); }
