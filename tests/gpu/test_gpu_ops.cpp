@@ -243,6 +243,16 @@ TEST_F(GpuOps, MatvecExpertsGluEqualsGateUpAndSwiglu) {
         else ASSERT_EQ(bits(got), bits(b[j * rows + r])) << dtype_name(t) << " slot " << j << " row " << r;
       }
   }
+  {  // the next product's stack must hold the same experts
+    HostMatrix g = random_matrix(DType::Q4_K, rows, cols, n_mats, 405), o = random_matrix(DType::Q4_K, rows, cols, 2, 406);
+    auto dg = upload(g.data), d_o = upload(o.data);
+    DevMatrix mg = dev_matrix(g, *dg), mo = dev_matrix(o, *d_o);
+    auto acts = upload(host_acts(DType::Q8_K, x, cols, n_tok));
+    Dev yy(static_cast<size_t>(n_slots) * rows * 4);
+    EXPECT_THROW(matvec_experts_glu(mg, mg, d_ids->as<int32_t>(), d_slot->as<int32_t>(), n_slots, acts->bytes(),
+                                    d_rows->as<int32_t>(), yy.as<float>(), rows, s(), &mo),
+                 Error);
+  }
   HostMatrix f = random_matrix(DType::F16, rows, cols, n_mats, 404);
   auto df = upload(f.data);
   DevMatrix mf = dev_matrix(f, *df);
