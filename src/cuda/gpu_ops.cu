@@ -2603,35 +2603,31 @@ void matvec_multi(const DevMatrix* const* ws, float* const* ys, const int64_t* l
         ws[i]->n_mats != 1)
       fail("matvec_multi: the matrices must be single matrices of one width and activation format");
   }
-  // The types, in order of appearance; the second one (if any) is the kernel's alternative type.
-  DType t1 = ws[0]->type, t2 = t1;
+  std::vector<DType> types;  // distinct, in order of appearance
   for (int i = 0; i < n; ++i)
-    if (ws[i]->type != t1) t2 = ws[i]->type;
-  bool two_types = t2 != t1;
-  for (int i = 0; i < n; ++i) two_types = two_types && (ws[i]->type == t1 || ws[i]->type == t2);
-  // Pairs with a mixed kernel (the K-quant mixes of the _M / _S files); others: one launch per type.
-  auto pair = [&](DType a, DType b) { return (t1 == a && t2 == b) || (t1 == b && t2 == a); };
-  const bool mixed = two_types && (pair(DType::Q4_K, DType::Q6_K) || pair(DType::Q5_K, DType::Q6_K) ||
-                                   pair(DType::Q3_K, DType::Q4_K) || pair(DType::Q3_K, DType::Q5_K));
-  if (n == 1 || is_float_type(t1) || (t2 != t1 && !mixed) || n > kMaxMatvecs) {
-    // One launch per type (float weights: one per matrix).
-    for (int i = 0; i < n; ++i) {
-      bool first = true;
-      for (int j = 0; j < i; ++j) first = first && ws[j]->type != ws[i]->type;
-      if (!first) continue;
+    if (std::find(types.begin(), types.end(), ws[i]->type) == types.end()) types.push_back(ws[i]->type);
+  // Pairs with a mixed kernel (the K-quant mixes of the _M / _S files).
+  auto pair = [&](DType a, DType b) {
+    return types.size() == 2 && ((types[0] == a && types[1] == b) || (types[0] == b && types[1] == a));
+  };
+  const bool mixed = pair(DType::Q4_K, DType::Q6_K) || pair(DType::Q5_K, DType::Q6_K) ||
+                     pair(DType::Q3_K, DType::Q4_K) || pair(DType::Q3_K, DType::Q5_K);
+  if (types.size() > 1 && (!mixed || n > kMaxMatvecs)) {  // one call per type
+    for (DType t : types) {
       std::vector<const DevMatrix*> w1;
       std::vector<float*> y1;
       std::vector<int64_t> l1;
-      for (int j = i; j < n; ++j)
-        if (ws[j]->type == ws[i]->type) w1.push_back(ws[j]), y1.push_back(ys[j]), l1.push_back(ld_ys[j]);
-      if (w1.size() == 1 || is_float_type(ws[i]->type) || static_cast<int>(w1.size()) > kMaxMatvecs) {
-        for (size_t j = 0; j < w1.size(); ++j) matvec(*w1[j], acts, n_tokens, y1[j], l1[j], s);
-      } else {
-        matvec_multi(w1.data(), y1.data(), l1.data(), static_cast<int>(w1.size()), acts, n_tokens, s);
-      }
+      for (int j = 0; j < n; ++j)
+        if (ws[j]->type == t) w1.push_back(ws[j]), y1.push_back(ys[j]), l1.push_back(ld_ys[j]);
+      matvec_multi(w1.data(), y1.data(), l1.data(), static_cast<int>(w1.size()), acts, n_tokens, s);
     }
     return;
   }
+  if (n == 1 || is_float_type(types[0]) || n > kMaxMatvecs) {  // one launch per matrix
+    for (int i = 0; i < n; ++i) matvec(*ws[i], acts, n_tokens, ys[i], ld_ys[i], s);
+    return;
+  }
+  DType t1 = types[0], t2 = types.back();  // t2: the kernel's alternative type (t1 when one type)
   if (n_tokens > kMaxVecTokens) fail("matvec_multi: at most kMaxVecTokens tokens");
   if (t1 > t2) std::swap(t1, t2);  // the instantiated order
   MvArgs a = mv_args(*ws[0], acts, n_tokens, ys[0], ld_ys[0], "matvec_multi");
