@@ -70,7 +70,7 @@ void BM_ExpertFfnDecode(benchmark::State& state) {
   state.counters["GB/s"] = benchmark::Counter(static_cast<double>(e.bytes_per_expert) * n,
                                               benchmark::Counter::kIsIterationInvariantRate);
 }
-BENCHMARK(BM_ExpertFfnDecode)->Args({8, 1})->Args({8, 2})->Args({5, 2})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_ExpertFfnDecode)->Args({8, 1})->Args({8, 2})->Args({5, 2})->Args({8, 15})->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 }  // namespace
 }  // namespace fitmoe

@@ -336,43 +336,76 @@ void expert_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_
   uint8_t* hq = scratch.bytes(14, mid_stride * n_assign);
   float* d = scratch.floats(15, static_cast<size_t>(n_assign) * n_embd);
 
-  // Items = (active expert, row block); row blocks sized for about 4 items per thread.
-  auto run_experts = [&](const Weight& w3, const Weight* w3b, const uint8_t* acts, size_t act_stride,
-                         float* y, float* yb, int64_t rows) {
-    const auto& kern = quant::kernels_for(w3.type);
-    const auto* kernb = w3b ? &quant::kernels_for(w3b->type) : nullptr;
-    int64_t want = static_cast<int64_t>(pool.size()) * 4;
-    int64_t rb = (rows * static_cast<int64_t>(active.size()) + want - 1) / want;
-    rb = std::min(rows, std::max<int64_t>(16, (rb + 15) / 16 * 16));
-    const int64_t n_rb = (rows + rb - 1) / rb;
-    pool.parallel_for(static_cast<int64_t>(active.size()) * n_rb, 1, [&](int64_t b, int64_t e_, int) {
-      for (int64_t item = b; item < e_; ++item) {
-        const int e = active[item / n_rb];
-        const int64_t r0 = (item % n_rb) * rb;
-        const int nr = static_cast<int>(std::min(rb, rows - r0));
-        const int a0 = offset[e], nc = offset[e + 1] - offset[e];
-        Weight m = w3.expert(e);
-        kern.matmul_tile(m.cols(), m.row(r0), m.row_bytes, nr, acts + a0 * act_stride, act_stride, nc,
-                         y + static_cast<int64_t>(a0) * rows + r0, static_cast<size_t>(rows));
-        if (w3b) {
-          Weight mb = w3b->expert(e);
-          kernb->matmul_tile(mb.cols(), mb.row(r0), mb.row_bytes, nr, acts + a0 * act_stride, act_stride, nc,
-                             yb + static_cast<int64_t>(a0) * rows + r0, static_cast<size_t>(rows));
-        }
-      }
-    });
+  const auto& kern_gate = quant::kernels_for(w.gate.type);
+  const auto& kern_up = quant::kernels_for(w.up.type);
+  const auto& kern_down = quant::kernels_for(w.down.type);
+  auto qmid = quant::quantize_act_fn(act_mid);
+  // Rows [r0, r0 + nr) of expert e's gate and up (or down) products for all of its grouped slots.
+  auto gate_up_rows = [&](int e, int64_t r0, int nr) {
+    const int a0 = offset[e], nc = offset[e + 1] - offset[e];
+    const Weight mg = w.gate.expert(e), mu = w.up.expert(e);
+    kern_gate.matmul_tile(mg.cols(), mg.row(r0), mg.row_bytes, nr, xg + a0 * in_stride, in_stride, nc,
+                          g + static_cast<int64_t>(a0) * n_ff + r0, static_cast<size_t>(n_ff));
+    kern_up.matmul_tile(mu.cols(), mu.row(r0), mu.row_bytes, nr, xg + a0 * in_stride, in_stride, nc,
+                        u + static_cast<int64_t>(a0) * n_ff + r0, static_cast<size_t>(n_ff));
+  };
+  auto down_rows = [&](int e, int64_t r0, int nr) {
+    const int a0 = offset[e], nc = offset[e + 1] - offset[e];
+    const Weight md = w.down.expert(e);
+    kern_down.matmul_tile(md.cols(), md.row(r0), md.row_bytes, nr, hq + a0 * mid_stride, mid_stride, nc,
+                          d + static_cast<int64_t>(a0) * n_embd + r0, static_cast<size_t>(n_embd));
+  };
+  auto swiglu_quant = [&](int64_t r) {
+    float* gr = g + r * n_ff;
+    swiglu(gr, u + r * n_ff, gr, n_ff);
+    qmid(gr, hq + r * mid_stride, n_ff);
   };
 
-  run_experts(w.gate, &w.up, xg, in_stride, g, u, n_ff);
-  auto qmid = quant::quantize_act_fn(act_mid);
-  pool.parallel_for(n_assign, 1, [&](int64_t b, int64_t e, int) {
-    for (int64_t r = b; r < e; ++r) {
-      float* gr = g + r * n_ff;
-      swiglu(gr, u + r * n_ff, gr, n_ff);
-      qmid(gr, hq + r * mid_stride, n_ff);
-    }
-  });
-  run_experts(w.down, nullptr, hq, mid_stride, d, nullptr, n_embd);
+  if (n_tokens <= kExpertFfnStaticTokens) {
+    // Decode: a few slots per expert, so every row costs about the same (its weight bytes). One job:
+    // each thread takes an equal contiguous share of the (active expert, row) space, phases separated
+    // by spinning barriers. Equal shares finish together, where dynamic blocks of a few hundred rows
+    // left a tail of one block on some threads, and one dispatch replaces three.
+    const int64_t n_act = static_cast<int64_t>(active.size());
+    SpinBarrier barrier(pool.size());
+    // Thread tid's share of n_act * rows rows, in multiples of 16 rows (the kernels' row blocking).
+    auto share = [&](int64_t rows, int tid, int nth, auto&& fn) {
+      const int64_t total = n_act * rows;
+      int64_t lo = total * tid / nth / 16 * 16, hi = tid + 1 == nth ? total : total * (tid + 1) / nth / 16 * 16;
+      while (lo < hi) {
+        const int64_t e_idx = lo / rows, r0 = lo % rows, nr = std::min(hi, (e_idx + 1) * rows) - lo;
+        fn(active[e_idx], r0, static_cast<int>(nr));
+        lo += nr;
+      }
+    };
+    pool.run([&](int tid, int nth) {
+      share(n_ff, tid, nth, gate_up_rows);
+      barrier.arrive_and_wait();
+      for (int64_t r = tid; r < n_assign; r += nth) swiglu_quant(r);
+      barrier.arrive_and_wait();
+      share(n_embd, tid, nth, down_rows);
+    });
+  } else {
+    // Prefill: items = (active expert, row block), row blocks sized for about 4 items per thread, taken
+    // dynamically (experts with more tokens cost more).
+    auto run_items = [&](int64_t rows, auto&& fn) {
+      const int64_t want = static_cast<int64_t>(pool.size()) * 4;
+      int64_t rb = (rows * static_cast<int64_t>(active.size()) + want - 1) / want;
+      rb = std::min(rows, std::max<int64_t>(16, (rb + 15) / 16 * 16));
+      const int64_t n_rb = (rows + rb - 1) / rb;
+      pool.parallel_for(static_cast<int64_t>(active.size()) * n_rb, 1, [&](int64_t b, int64_t e_, int) {
+        for (int64_t item = b; item < e_; ++item) {
+          const int64_t r0 = (item % n_rb) * rb;
+          fn(active[item / n_rb], r0, static_cast<int>(std::min(rb, rows - r0)));
+        }
+      });
+    };
+    run_items(n_ff, gate_up_rows);
+    pool.parallel_for(n_assign, 1, [&](int64_t b, int64_t e, int) {
+      for (int64_t r = b; r < e; ++r) swiglu_quant(r);
+    });
+    run_items(n_embd, down_rows);
+  }
 
   for (int a = 0; a < n_assign; ++a)
     std::memcpy(out + static_cast<int64_t>(a) * n_embd, d + static_cast<int64_t>(slot_row[a]) * n_embd, sizeof(float) * n_embd);

@@ -14,6 +14,20 @@ constexpr int kSpinIterations = 20000;
 inline void cpu_relax() { _mm_pause(); }
 }  // namespace
 
+void SpinBarrier::arrive_and_wait() {
+  const uint32_t phase = phase_.load(std::memory_order_acquire);
+  if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
+    arrived_.store(0, std::memory_order_relaxed);  // before the release below: the next phase sees it
+    phase_.fetch_add(1, std::memory_order_release);
+    return;
+  }
+  // As in dispatch(): yield the core after a while, in case the thread awaited needs it.
+  for (int spins = 0; phase_.load(std::memory_order_acquire) == phase; ++spins) {
+    if (spins < kSpinIterations / 10) cpu_relax();
+    else std::this_thread::yield();
+  }
+}
+
 ThreadPool::ThreadPool(int n_threads) {
   if (n_threads <= 0) n_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   n_threads_ = n_threads;

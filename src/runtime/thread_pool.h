@@ -12,6 +12,20 @@
 
 namespace fitmoe {
 
+// A barrier for the threads of one ThreadPool::run() job, between phases of a few tens of microseconds
+// (hybrid decode's experts): it spins, because a futex wake would cost as much as a phase. Reusable:
+// every thread of the job calls arrive_and_wait() the same number of times.
+class SpinBarrier {
+ public:
+  explicit SpinBarrier(int n_threads) : n_(n_threads) {}
+  void arrive_and_wait();
+
+ private:
+  const int n_;
+  alignas(64) std::atomic<int> arrived_{0};
+  alignas(64) std::atomic<uint32_t> phase_{0};
+};
+
 class ThreadPool {
  public:
   explicit ThreadPool(int n_threads);  // total threads including the caller; <= 0 means all cores
