@@ -88,9 +88,13 @@ void matvec_experts(const DevMatrix& w, const int32_t* ids, const int32_t* slot_
 // Routed experts and their combination at once (decode, every chosen expert on the device): for each
 // token t < n_tokens (at most 8) with k <= 8 slots t*k + j, y[t * ld_y + r] = moe_combine of the slots'
 // products (activation row = slot), the very bits of matvec_experts (act_row = slot) + moe_combine.
-// Quantized experts only.
+// Quantized experts only. x (optional): the input as f32 rows [slot][w.cols] instead of acts, converted
+// by the kernel itself (the same bytes as quantize_acts; one launch fewer), where
+// matvec_experts_combine_quantizes(w) says it can.
 void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_t* slot_of, int n_tokens, int k,
-                            const void* acts, const float* wts, float* y, int64_t ld_y, Stream s);
+                            const void* acts, const float* wts, float* y, int64_t ld_y, Stream s,
+                            const float* x = nullptr);
+bool matvec_experts_combine_quantizes(const DevMatrix& w);
 // The same for gate and up experts at once (quantized, one type and shape): y = silu(gate x) * (up x),
 // the very bits of two matvec_experts calls and swiglu. `then` (optional): the expert stack the next
 // product reads (down); the chosen experts' matrices of it are hinted into L2 while this one runs.

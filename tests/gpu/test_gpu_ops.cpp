@@ -397,12 +397,29 @@ TEST_F(GpuOps, MatvecExpertsCombineEqualsExpertsAndCombine) {
         matvec_experts(m, d_ids->as<int32_t>(), d_slot->as<int32_t>(), n_slots, acts->bytes(), d_ident->as<int32_t>(),
                        ey.as<float>(), rows, s());
         moe_combine(ey.as<float>(), wts->as<float>(), nt, k, rows, ref.as<float>(), s());
+        // The f32 input, converted by the kernel itself (Q8_K activation types).
+        const bool qin = matvec_experts_combine_quantizes(m);
+        auto gx = upload(g);
+        Dev yq(static_cast<size_t>(ld) * nt * 4);
+        if (qin)
+          matvec_experts_combine(m, d_ids->as<int32_t>(), d_slot->as<int32_t>(), nt, k, nullptr, wts->as<float>(),
+                                 yq.as<float>(), ld, s(), gx->as<float>());
         sync();
         auto a = y.down<float>(static_cast<size_t>(ld) * nt), b = ref.down<float>(static_cast<size_t>(nt) * rows);
+        auto aq = yq.down<float>(static_cast<size_t>(ld) * nt);
         for (int tk = 0; tk < nt; ++tk)
           for (int64_t r = 0; r < ld; ++r) {
-            if (r >= rows) ASSERT_TRUE(is_poison(a[tk * ld + r])) << "wrote past the rows";
-            else ASSERT_EQ(bits(a[tk * ld + r]), bits(b[tk * rows + r])) << "token " << tk << " row " << r;
+            if (r >= rows) {
+              ASSERT_TRUE(is_poison(a[tk * ld + r])) << "wrote past the rows";
+              if (qin) {
+                ASSERT_TRUE(is_poison(aq[tk * ld + r])) << "f32 input: wrote past the rows";
+              }
+            } else {
+              ASSERT_EQ(bits(a[tk * ld + r]), bits(b[tk * rows + r])) << "token " << tk << " row " << r;
+              if (qin) {
+                ASSERT_EQ(bits(aq[tk * ld + r]), bits(b[tk * rows + r])) << "f32 input: token " << tk << " row " << r;
+              }
+            }
           }
       }
     }
