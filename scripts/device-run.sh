@@ -2,7 +2,7 @@
 # The one script for the GPU machine (device tool): runs the tests there, then the benchmarks, and
 # prints a short table last. Binaries come prebuilt from the dev machine (scripts/device-prepare.sh puts
 # them and the test fixtures into git-ignored folders that the run carries).
-#   scripts/device-run.sh [all|tests|cpu|gpu|gputests|gpubench|profile|ncu|nsys]   (SKIP_CONFIGS names GPU configs to skip)
+#   scripts/device-run.sh [all|tests|cpu|gpu|gputests|gpubench|profile|ab|ncu|nsys]   (SKIP_CONFIGS names GPU configs to skip)
 # profile: where a decode step's GPU time goes, per op (FITMOE_PROFILE=1), all on the GPU and at 8 GiB.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,6 +63,23 @@ if [ "$WHAT" = profile ]; then
   for flags in "" "--vram 8G"; do
     echo "== decode profile ${flags:-all on the GPU}"
     FITMOE_PROFILE=1 "$BIN/fitmoe" bench -m "$MODEL" $flags -p 0 -n 32 -r 1 2>&1 | grep -v '^load\|^plan' | tail -n 24
+  done
+fi
+
+# A/B: devbin/fitmoe_old.gz (another commit's build) beside devbin/fitmoe on the same machine, the two
+# interleaved twice per configuration so that drift hits both: AB_ARGS (default decode only).
+if [ "$WHAT" = ab ]; then
+  [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
+  [ -x "$BIN/fitmoe_old" ] || { echo "no devbin/fitmoe_old.gz"; exit 1; }
+  ARGS=${AB_ARGS:--p 0 -n 128 -r 3}
+  for flags in "" "--vram 8G"; do
+    for round in 1 2; do
+      for b in fitmoe_old fitmoe; do
+        r=$("$BIN/$b" bench -m "$MODEL" $flags $ARGS 2>/dev/null | grep '^|' | tail -n +3 | awk -F'|' '{printf "%s %s; ", $7, $8}')
+        line="ab ${flags:-all-gpu} round $round $b: $r"
+        echo "$line"; summary+=("$line")
+      done
+    done
   done
 fi
 

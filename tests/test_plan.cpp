@@ -2,6 +2,8 @@
 // budget-too-small error, and the size / override parsers.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "model/model.h"
 #include "runtime/error.h"
 #include "runtime/machine.h"
@@ -166,4 +168,26 @@ TEST(Plan, CostModelFollowsTheEngine) {
   EXPECT_GT(a.predicted_tg, h512.predicted_tg);
   EXPECT_GT(h2048.predicted_pp, h512.predicted_pp);
   EXPECT_GE(a.predicted_pp, h512.predicted_pp);  // equal when the streaming hides behind the products
+}
+
+// Prefill of host experts: a micro-batch that uses nearly every expert streams them all ahead of the
+// routing; a small one waits for the routing and is charged only for the experts it is expected to use
+// (1 - (1 - k/E)^n of them); the threshold is an option.
+TEST(Plan, SmallMicroBatchesUploadOnlyTheExpertsUsed) {
+  PlanOptions o;
+  o.prefill_host_experts = "upload";
+  MachineProfile m;
+  m.pcie_bw = 50e9;
+  m.cpu_int8_flops = 1e12;
+  const double per_expert = 3e6, all = 128 * per_expert / m.pcie_bw;
+  const HostExpertsCost big = prefill_host_experts_cost(o, m, 512, 8, 128, 128, per_expert);
+  EXPECT_FALSE(big.after_routing);
+  EXPECT_GT(big.used_fraction, 0.999);
+  EXPECT_DOUBLE_EQ(big.upload_s, all);
+  const HostExpertsCost small = prefill_host_experts_cost(o, m, 16, 8, 128, 128, per_expert);
+  EXPECT_TRUE(small.after_routing);
+  EXPECT_NEAR(small.used_fraction, 1 - std::pow(1 - 8.0 / 128, 16), 1e-12);
+  EXPECT_NEAR(small.upload_s, all * small.used_fraction, 1e-12);
+  o.prefill_prefetch_min_used = 0.5;  // 16 tokens use ~64%: now streamed ahead, all of them
+  EXPECT_FALSE(prefill_host_experts_cost(o, m, 16, 8, 128, 128, per_expert).after_routing);
 }

@@ -12,8 +12,11 @@
 // layer runs in one grouped tensor-core launch per matrix. For the host-resident experts, the cost model
 // picks per layer, before the micro-batch starts, between the CPU and streaming them over PCIe. Streamed
 // layers' experts go up in chunks through a ring of staging buffers on a second stream, in the order
-// the layers will use them, so the copies of later layers run while earlier layers compute and the
-// PCIe link never waits for the routing.
+// the layers will use them, so the copies of later layers run while earlier layers compute. A copy
+// issued once its layer's routing is known carries only the experts the micro-batch uses; one issued
+// before it carries the whole chunk, which keeps the PCIe link busy: a micro-batch worth streaming
+// uses nearly every expert (a layer expected to use fewer than PlanOptions::prefill_prefetch_min_used
+// of them waits for its routing instead).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -179,6 +182,9 @@ class GpuState final : public ModelState {
   std::vector<std::pair<int, int>> stream_seq;  // (layer, chunk) in upload order
   size_t stream_copied = 0, stream_used = 0;    // chunks issued to the copy stream / consumed
   std::vector<char> layer_streams;              // per layer: host experts streamed (1) or CPU (0)
+  std::vector<char> layer_waits;                // per streamed layer: its copies wait for its routing
+  int routed_layer = -1;                        // the layer whose routing is known, and the experts
+  std::vector<char> expert_used;                // it uses: later copies of its chunks carry only those
   cpu::Scratch cpu_scratch;
 
  private:
@@ -662,12 +668,15 @@ class Qwen3Gpu final : public GpuRunner {
         gpu::matvec_experts(X.up, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.u, ff, stream_);
         gpu::swiglu(st.g, st.u, st.g, n_slots * ff, stream_);
       }
-      acts = vec_acts(st, X.down.type, st.g, n_slots, ff);
       if (X.n_dev == c.n_expert && k <= 8 && !is_float_type(X.down.type)) {
-        // Every expert on the GPU: the down products combine straight into st.y.
-        gpu::matvec_experts_combine(X.down, st.ids, X.slot_of_dev, nt, k, acts, st.wts, st.y, E, stream_);
+        // Every expert on the GPU: the down products combine straight into st.y (and convert their
+        // input themselves where they can).
+        const bool qin = gpu::matvec_experts_combine_quantizes(X.down);
+        gpu::matvec_experts_combine(X.down, st.ids, X.slot_of_dev, nt, k, qin ? nullptr : vec_acts(st, X.down.type, st.g, n_slots, ff),
+                                    st.wts, st.y, E, stream_, qin ? st.g : nullptr);
         st.ffn_out_combined = true;
       } else {
+        acts = vec_acts(st, X.down.type, st.g, n_slots, ff);
         gpu::matvec_experts(X.down, st.ids, X.slot_of_dev, n_slots, acts, st.ident, st.ey, E, stream_);
       }
       prof_.mark("experts down", stream_);
@@ -924,6 +933,10 @@ class Qwen3Gpu final : public GpuRunner {
         h_dst[i] = j;
       }
     }
+    // From now on, copies of this layer's chunks carry only the experts used.
+    st.routed_layer = l;
+    st.expert_used.assign(NE, 0);
+    for (int e = 0; e < NE; ++e) st.expert_used[e] = count[e + 1] > 0;
     gpu::copy_h2d(st.offsets, h_off, sizeof(int32_t) * (NE + 1), stream_);
     gpu::copy_h2d(st.idx_a, h_rows, sizeof(int32_t) * n_slots, stream_);
     gpu::copy_h2d(st.idx_b, h_dst, sizeof(int32_t) * n_slots, stream_);
@@ -988,11 +1001,13 @@ class Qwen3Gpu final : public GpuRunner {
   }
 
   // Before a prefill micro-batch of nt tokens: per MoE layer with host experts, the cost model picks
-  // streaming all of them over PCIe (every chunk, used or not: a large batch uses nearly all, and the
-  // copies can then start before the routing is known) or running the ones used on the CPU. The first
-  // chunks of the stream go out at once; each chunk consumed releases the next.
+  // streaming them over PCIe or running the ones used on the CPU, and for a streamed layer whether its
+  // copies may start before its routing is known (then they carry whole chunks; see the top of the
+  // file). The first chunks of the stream go out at once; each chunk consumed releases the next.
   void start_expert_stream(GpuState& st, int nt) {
     st.layer_streams.assign(c_.n_layer, 0);
+    st.layer_waits.assign(c_.n_layer, 0);
+    st.routed_layer = -1;
     st.stream_seq.clear();
     st.stream_copied = st.stream_used = 0;
     for (int l = 0; l < c_.n_layer; ++l) {
@@ -1000,20 +1015,33 @@ class Qwen3Gpu final : public GpuRunner {
       if (!layers_[l].moe || X.chunks.empty()) continue;
       const double per_expert = static_cast<double>(X.host->gate.matrix_bytes() + X.host->up.matrix_bytes() +
                                                     X.host->down.matrix_bytes());
-      if (!prefill_host_experts_cost(plan_.options, plan_.machine, nt, c_.n_expert_used, c_.n_expert,
-                                     c_.n_expert - X.n_dev, per_expert)
-               .stream)
-        continue;
+      const HostExpertsCost cost = prefill_host_experts_cost(plan_.options, plan_.machine, nt, c_.n_expert_used,
+                                                             c_.n_expert, c_.n_expert - X.n_dev, per_expert);
+      if (!cost.stream) continue;
       st.layer_streams[l] = 1;
+      st.layer_waits[l] = cost.after_routing;
       for (size_t ci = 0; ci < X.chunks.size(); ++ci) st.stream_seq.emplace_back(l, static_cast<int>(ci));
     }
-    while (st.stream_copied < st.stream_seq.size() && st.stream_copied < static_cast<size_t>(kPrefillStageSlots))
+    issue_chunk_copies(st);
+  }
+
+  // Issues the stream's next copies while the ring has a free buffer (chunk i reuses the buffer of
+  // chunk i - kPrefillStageSlots, so that one must have been consumed) and the next chunk's layer does
+  // not wait for a routing still unknown.
+  void issue_chunk_copies(GpuState& st) {
+    while (st.stream_copied < st.stream_seq.size() &&
+           st.stream_copied < st.stream_used + static_cast<size_t>(kPrefillStageSlots)) {
+      const int l = st.stream_seq[st.stream_copied].first;
+      if (st.layer_waits[l] && st.routed_layer != l) return;
       issue_chunk_copy(st);
+    }
   }
 
   // Uploads the next chunk of the stream into its ring buffer, once the products that last read that
-  // buffer are done. The plan keeps a layer's host experts contiguous, so a chunk is usually one run
-  // of consecutive experts: one copy per matrix.
+  // buffer are done: every expert of the chunk, or once the layer's routing is known only the used
+  // ones (each at its place in the chunk, so the chunk's expert -> position table still holds). The
+  // plan keeps a layer's host experts contiguous, so a chunk is usually one run of consecutive
+  // experts: one copy per matrix.
   void issue_chunk_copy(GpuState& st) {
     const size_t i = st.stream_copied++;
     const int b = static_cast<int>(i % kPrefillStageSlots);
@@ -1025,9 +1053,15 @@ class Qwen3Gpu final : public GpuRunner {
     auto* base = static_cast<uint8_t*>(st.stage[b]);
     gpu::wait_event(st.copy_stream, st.ev_free[b]);
     const int cnt = static_cast<int>(ch.experts.size());
+    const bool routed = st.routed_layer == l;
+    auto wanted = [&](int p) { return !routed || st.expert_used[ch.experts[p]]; };
     for (int p = 0; p < cnt;) {
+      if (!wanted(p)) {
+        ++p;
+        continue;
+      }
       int run = 1;
-      while (p + run < cnt && ch.experts[p + run] == ch.experts[p] + run) ++run;
+      while (p + run < cnt && ch.experts[p + run] == ch.experts[p] + run && wanted(p + run)) ++run;
       const int e = ch.experts[p];
       gpu::copy_h2d(base + bg * p, hg.expert(e).host, bg * run, st.copy_stream);
       gpu::copy_h2d(base + bg * chunk_experts_ + bu * p, hu.expert(e).host, bu * run, st.copy_stream);
@@ -1044,10 +1078,12 @@ class Qwen3Gpu final : public GpuRunner {
     const int64_t ff = c_.n_ff_exp;
     const Weight &hg = X.host->gate, &hu = X.host->up, &hd = X.host->down;
     const size_t bg = hg.matrix_bytes(), bu = hu.matrix_bytes();
+    issue_chunk_copies(st);  // a layer that waited for its routing starts its copies now
     for (size_t ci = 0; ci < X.chunks.size(); ++ci) {
       const size_t i = st.stream_used++;
       if (i >= st.stream_seq.size() || st.stream_seq[i] != std::make_pair(l, static_cast<int>(ci)))
         throw Error("internal: the prefill expert stream is out of order");
+      if (i >= st.stream_copied) throw Error("internal: the prefill expert stream stalled");
       const int b = static_cast<int>(i % kPrefillStageSlots);
       const HostChunk& ch = X.chunks[ci];
       int chunk_slots = 0, lo = INT32_MAX, hi = 0;
@@ -1067,7 +1103,7 @@ class Qwen3Gpu final : public GpuRunner {
         gpu::moe_matmul(d3, st.offsets, NE, ch.slot_of_dev, st.g, ff, nullptr, chunk_slots, st.ey, E, stream_, st.idx_b);
       }
       gpu::record_event(st.ev_free[b], stream_);
-      if (st.stream_copied < st.stream_seq.size()) issue_chunk_copy(st);
+      issue_chunk_copies(st);
     }
   }
 

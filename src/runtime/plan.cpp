@@ -96,7 +96,9 @@ const TensorPlacement* Plan::find(const std::string& name) const {
 HostExpertsCost prefill_host_experts_cost(const PlanOptions& opt, const MachineProfile& m, int n_tokens, int k,
                                           int n_expert, int n_host, double expert_bytes) {
   HostExpertsCost c;
-  c.upload_s = m.pcie_bw > 0 ? n_host * expert_bytes / m.pcie_bw : 1e9;
+  c.used_fraction = 1.0 - std::pow(1.0 - static_cast<double>(k) / std::max(1, n_expert), std::max(0, n_tokens));
+  c.after_routing = c.used_fraction < opt.prefill_prefetch_min_used;
+  c.upload_s = m.pcie_bw > 0 ? n_host * expert_bytes * (c.after_routing ? c.used_fraction : 1.0) / m.pcie_bw : 1e9;
   const double slots = static_cast<double>(n_tokens) * k * n_host / std::max(1, n_expert);
   // ~bytes / 0.6 parameters at about 4.8 bits per weight, two FLOPs each
   c.cpu_s = m.cpu_int8_flops > 0 ? slots * 2.0 * expert_bytes / 0.6 / m.cpu_int8_flops : 1e9;
@@ -392,7 +394,7 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
                                                           expert_bytes_of_layer[l]);
       if (c.stream) {
         t_stream += c.upload_s;
-        streamed_bytes += host_bytes_of_layer[l];
+        streamed_bytes += host_bytes_of_layer[l] * (c.after_routing ? c.used_fraction : 1.0);  // used ones only when it waits
         ++n_stream;
       } else {
         t_cpu += c.cpu_s;

@@ -53,6 +53,11 @@ struct PlanOptions {
   // Host experts per streamed chunk: 16 makes each copy large enough for full PCIe speed (tests use
   // smaller chunks to exercise the ring).
   int prefill_chunk_experts = 16;
+  // A streamed layer's host experts are copied ahead of its routing (so the link never waits for it)
+  // when the micro-batch is expected to use at least this fraction of them; below it the copies wait
+  // for the routing and carry only the experts used. Copies issued after the routing carry only the
+  // used experts either way. (Tests set it above 1 to make every layer wait.)
+  double prefill_prefetch_min_used = 0.9;
 };
 
 struct TensorPlacement {
@@ -93,11 +98,14 @@ struct Plan {
 constexpr int kPrefillStageSlots = 6;
 
 // Prefill, one layer whose routed experts are partly in host memory (n_host of n_expert; expert_bytes:
-// one expert's gate + up + down), micro-batch of n_tokens choosing k experts each: the time to stream all
-// n_host experts over PCIe, the time to compute the ones used on the CPU, and the choice (the options'
+// one expert's gate + up + down), micro-batch of n_tokens choosing k experts each: the fraction of the
+// host experts it is expected to use (uniform routing), whether their upload waits for the routing (see
+// PlanOptions::prefill_prefetch_min_used), the time to stream them over PCIe (all of them, or the used
+// ones when it waits), the time to compute the used ones on the CPU, and the choice (the options'
 // prefill_host_experts, or the cheaper one for "auto"). The plan predicts with it; the GPU engine decides.
 struct HostExpertsCost {
-  double upload_s = 0, cpu_s = 0;
+  double used_fraction = 1, upload_s = 0, cpu_s = 0;
+  bool after_routing = false;
   bool stream = false;
 };
 HostExpertsCost prefill_host_experts_cost(const PlanOptions& opt, const MachineProfile& m, int n_tokens, int k,

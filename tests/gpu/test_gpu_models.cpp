@@ -37,6 +37,8 @@ std::unique_ptr<Model> load_gpu(const std::string& path, const std::string& mode
   else if (mode.find("/upload") != std::string::npos) lo.plan.prefill_host_experts = "upload";
   // One expert per streamed chunk: more chunks than the upload ring has buffers, so it wraps.
   if (mode.find("/chunk1") != std::string::npos) lo.plan.prefill_chunk_experts = 1;
+  // Every streamed layer's copies wait for its routing (and carry only the experts used).
+  if (mode.find("/wait") != std::string::npos) lo.plan.prefill_prefetch_min_used = 2.0;
   if (base == "cpu_moe") lo.plan.cpu_moe = true;
   if (base == "n_cpu_moe1") lo.plan.n_cpu_moe = 1;
   // A dense product on the host as well (no decode graphs; its host step waits for the stream, which
@@ -99,7 +101,8 @@ std::vector<GpuCase> cases() {
     out.push_back({"qwen3moe-tiny", t, "gpu"});
   for (const char* t : {"f32", "q4_k_m"})
     for (const char* m : {"cpu_moe/upload", "cpu_moe/upload/chunk1", "cpu_moe/cpu", "n_cpu_moe1/upload",
-                          "half_budget/upload", "half_budget/upload/chunk1", "half_budget/cpu", "n_cpu_moe1/cpu/wo_host"})
+                          "half_budget/upload", "half_budget/upload/chunk1", "half_budget/cpu", "n_cpu_moe1/cpu/wo_host",
+                          "cpu_moe/upload/chunk1/wait", "half_budget/upload/wait"})
       out.push_back({"qwen3moe-tiny", t, m});
   for (const char* t : {"f32", "q8_0"}) out.push_back({"qwen3-draft", t, "gpu"});
   return out;
