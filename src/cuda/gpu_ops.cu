@@ -210,55 +210,6 @@ __device__ __forceinline__ float block_dot(const WPart& w, const APart& x, int p
   return acc;
 }
 
-// Q8_K: one warp per 256-value block xb, 8 consecutive values per lane, into the 292-byte block blk.
-__device__ __forceinline__ void quantize_q8k_block(const float* xb, uint8_t* blk, int lane) {
-  xb += 8 * lane;
-  float v[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) v[j] = xb[j];
-  // The value of largest magnitude, the first one on ties (as the reference's strict '>').
-  float amax = 0.0f, mx = 0.0f;
-  int idx = INT_MAX;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float ax = fabsf(v[j]);
-    if (ax > amax) {
-      amax = ax;
-      mx = v[j];
-      idx = 8 * lane + j;
-    }
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float oa = __shfl_xor_sync(kFull, amax, o);
-    const float om = __shfl_xor_sync(kFull, mx, o);
-    const int oi = __shfl_xor_sync(kFull, idx, o);
-    if (oa > amax || (oa == amax && oi < idx)) {
-      amax = oa;
-      mx = om;
-      idx = oi;
-    }
-  }
-  uint32_t packed[2] = {0, 0};
-  int s = 0;
-  float d = 0.0f;
-  if (amax != 0.0f) {
-    const float iscale = __fdiv_rn(-127.0f, mx);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int q = min(__float2int_rn(__fmul_rn(iscale, v[j])), 127);
-      s += q;
-      packed[j / 4] |= (static_cast<uint32_t>(q) & 0xffu) << (8 * (j % 4));
-    }
-    d = __fdiv_rn(1.0f, iscale);
-  }
-  reinterpret_cast<uint32_t*>(blk + 4 + 8 * lane)[0] = packed[0];
-  reinterpret_cast<uint32_t*>(blk + 4 + 8 * lane)[1] = packed[1];
-  const int bs = s + __shfl_xor_sync(kFull, s, 1);
-  if ((lane & 1) == 0) reinterpret_cast<int16_t*>(blk + 260)[lane / 2] = static_cast<int16_t>(bs);
-  if (lane == 0) *reinterpret_cast<float*>(blk) = d;
-}
-
 // ================================ mat-vec kernels =================================================
 
 constexpr int kMaxMatvecs = 4;  // matvec_multi
@@ -582,40 +533,28 @@ __global__ void __launch_bounds__(kMvWarps * 32) mv_float_split_kernel(const MvA
 // activation row = slot) are combined as moe_combine does, y[t][r] = sum_j wts[t*k+j] * v_j in j order.
 // A CTA takes kCombineRows rows; warp j computes slot j's products for all of them (its loads in flight
 // together, the k experts' loads side by side in the k warps), then one thread per row combines.
-// QIN: the input arrives as f32 rows (the gated products' output, xin[slot][cols]) and each warp
-// converts its slot's row to Q8_K in shared memory first, with the quantizer's own code (the same bytes
-// as quantize_acts): one kernel fewer on decode's chain of dependent launches. Each CTA then reads its
-// k rows of f32 from L2, so it takes more rows (ROWS) to keep that traffic small beside the weights.
-constexpr int kCombineRows = 4, kCombineRowsQin = 8;
-template <DType T, int MAXK, int ROWS, bool QIN>
-__global__ void __launch_bounds__(MAXK * 32) mmvq_combine_kernel(const MvArgs a, const float* __restrict__ wts, int k,
-                                                                 const float* __restrict__ xin) {
+constexpr int kCombineRows = 4;
+template <DType T, int MAXK>
+__global__ void __launch_bounds__(MAXK * 32) mmvq_combine_kernel(const MvArgs a, const float* __restrict__ wts, int k) {
   pdl_enter();
-  extern __shared__ __align__(16) uint8_t qin[];  // QIN: [MAXK][act_stride]
-  __shared__ float v[MAXK][ROWS];
+  __shared__ float v[MAXK][kCombineRows];
   const int t = blockIdx.y, j = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * ROWS;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kCombineRows;
   if (j < k) {
     const int slot = t * k + j;
     const int e = a.ids[slot];
     const int m = a.slot_of ? a.slot_of[e] : e;
     if (m < 0) {  // not on the device: the caller broke the contract; make it loud
-      if (lane < ROWS) v[j][lane] = __int_as_float(0x7fc00000);
+      if (lane < kCombineRows) v[j][lane] = __int_as_float(0x7fc00000);
     } else {
       const uint8_t* wm = a.w + static_cast<size_t>(m) * a.mat_bytes + row0 * a.row_bytes;
       const uint8_t* acts = a.acts + static_cast<size_t>(slot) * a.act_stride;
-      if constexpr (QIN) {
-        uint8_t* q = qin + static_cast<size_t>(j) * a.act_stride;
-        for (int64_t b = 0; b < a.cols / 256; ++b) quantize_q8k_block(xin + slot * a.cols + b * 256, q + b * 292, lane);
-        __syncwarp();
-        acts = q;
-      }
-      mmvq_rows<T, 1, ROWS, false>(a, wm, nullptr, a.row_bytes, acts, v[j], a.rows - row0, 0, 0, lane);
+      mmvq_rows<T, 1, kCombineRows, false>(a, wm, nullptr, a.row_bytes, acts, v[j], a.rows - row0, 0, 0, lane);
     }
   }
   __syncthreads();
   const int r = threadIdx.x;
-  if (r >= ROWS || row0 + r >= a.rows) return;
+  if (r >= kCombineRows || row0 + r >= a.rows) return;
   const float* wt = wts + static_cast<int64_t>(t) * k;
   float o = __fmul_rn(v[0][r], wt[0]);
   for (int i = 1; i < k; ++i) o = __fadd_rn(o, __fmul_rn(v[i][r], wt[i]));
@@ -806,6 +745,56 @@ __global__ void quant_q8_kernel(const float* __restrict__ x, int64_t n, int rows
 #pragma unroll
   for (int i = 0; i < kHead + 16; ++i) out[i] = w[i];
 }
+
+// Q8_K: one warp per 256-value block xb, 8 consecutive values per lane, into the 292-byte block blk.
+__device__ __forceinline__ void quantize_q8k_block(const float* xb, uint8_t* blk, int lane) {
+  xb += 8 * lane;
+  float v[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = xb[j];
+  // The value of largest magnitude, the first one on ties (as the reference's strict '>').
+  float amax = 0.0f, mx = 0.0f;
+  int idx = INT_MAX;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float ax = fabsf(v[j]);
+    if (ax > amax) {
+      amax = ax;
+      mx = v[j];
+      idx = 8 * lane + j;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float oa = __shfl_xor_sync(kFull, amax, o);
+    const float om = __shfl_xor_sync(kFull, mx, o);
+    const int oi = __shfl_xor_sync(kFull, idx, o);
+    if (oa > amax || (oa == amax && oi < idx)) {
+      amax = oa;
+      mx = om;
+      idx = oi;
+    }
+  }
+  uint32_t packed[2] = {0, 0};
+  int s = 0;
+  float d = 0.0f;
+  if (amax != 0.0f) {
+    const float iscale = __fdiv_rn(-127.0f, mx);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int q = min(__float2int_rn(__fmul_rn(iscale, v[j])), 127);
+      s += q;
+      packed[j / 4] |= (static_cast<uint32_t>(q) & 0xffu) << (8 * (j % 4));
+    }
+    d = __fdiv_rn(1.0f, iscale);
+  }
+  reinterpret_cast<uint32_t*>(blk + 4 + 8 * lane)[0] = packed[0];
+  reinterpret_cast<uint32_t*>(blk + 4 + 8 * lane)[1] = packed[1];
+  const int bs = s + __shfl_xor_sync(kFull, s, 1);
+  if ((lane & 1) == 0) reinterpret_cast<int16_t*>(blk + 260)[lane / 2] = static_cast<int16_t>(bs);
+  if (lane == 0) *reinterpret_cast<float*>(blk) = d;
+}
+
 
 __global__ void quant_q8k_kernel(const float* __restrict__ x, int64_t n, int rows, int64_t ld_x, uint8_t* __restrict__ dst,
                                  size_t stride) {
@@ -2446,12 +2435,33 @@ __global__ void route_topk_kernel(const float* __restrict__ logits, int n_expert
   route_topk_warp(logits, n_expert, k, ids, weights, blockIdx.x, p);
 }
 
+// The routing handed to the CPU through pinned memory (hybrid decode): the choices and the normed
+// input written straight into the host's buffers, then (after a system-scope fence, so the CPU that
+// sees the flag sees them too) the step's epoch into the layer's flag. Called by one whole CTA.
+__device__ void publish_route(const RoutePublish& pub, const int32_t* ids, int n_ids, const float* x, int64_t n_x) {
+  for (int i = threadIdx.x; i < n_ids; i += blockDim.x) pub.ids[i] = ids[i];
+  for (int64_t i = threadIdx.x; i < n_x; i += blockDim.x) pub.x[i] = x[i];
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned e = *pub.epoch;
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(pub.flag), "r"(e) : "memory");
+  }
+}
+
+// publish_route on its own, after a routing that did not go through router_topk.
+__global__ void publish_route_kernel(const RoutePublish pub, const int32_t* ids, int n_ids, const float* x, int64_t n_x) {
+  pdl_enter();
+  publish_route(pub, ids, n_ids, x, n_x);
+}
+
 // The router's product (F32 weights, one CTA per expert row as mv_float_split_kernel) with the
 // routing fused: the last CTA to finish (counted in *done, which it resets) routes every token,
 // a warp per token, exactly as route_topk_kernel.
 template <int NT, bool VEC>
 __global__ void __launch_bounds__(kMvWarps * 32) router_topk_kernel(const MvArgs a, int k, int32_t* __restrict__ ids,
-                                                                    float* __restrict__ weights, unsigned* done) {
+                                                                    float* __restrict__ weights, unsigned* done,
+                                                                    const RoutePublish pub) {
   extern __shared__ float p[];  // [kMvWarps][rows]
   __shared__ bool last;
   mv_float_split_body<float, NT, VEC>(a);
@@ -2465,6 +2475,10 @@ __global__ void __launch_bounds__(kMvWarps * 32) router_topk_kernel(const MvArgs
   for (int t = warp; t < a.n_tokens; t += kMvWarps)
     route_topk_warp(a.y, static_cast<int>(a.rows), k, ids, weights, t, p + warp * a.rows);
   if (threadIdx.x == 0) *done = 0;
+  if (pub.flag) {
+    __syncthreads();  // the choices, written by the routing warps, are visible to the whole CTA
+    publish_route(pub, ids, a.n_tokens * k, reinterpret_cast<const float*>(a.acts), a.n_tokens * a.cols);
+  }
 }
 
 __global__ void moe_combine_kernel(const float* __restrict__ y, const float* __restrict__ w, int k, int n,
@@ -2684,35 +2698,20 @@ void matvec_experts(const DevMatrix& w, const int32_t* ids, const int32_t* slot_
 }
 
 void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_t* slot_of, int n_tokens, int k,
-                            const void* acts, const float* wts, float* y, int64_t ld_y, Stream s, const float* x) {
+                            const void* acts, const float* wts, float* y, int64_t ld_y, Stream s) {
   if (n_tokens <= 0) return;
   if (n_tokens > kMaxVecTokens || k <= 0 || k > 8) fail("matvec_experts_combine: at most 8 tokens and 8 experts each");
   if (!ids || !wts) fail("matvec_experts_combine: ids and wts are required");
   if (is_float_type(w.type)) fail("matvec_experts_combine: quantized experts only");
-  if (x && !matvec_experts_combine_quantizes(w)) fail("matvec_experts_combine: f32 input needs Q8_K activations of at most 8192 values");
-  if (x && !aligned(x, 16)) fail("matvec_experts_combine: f32 input must be 16-byte aligned");
-  MvArgs a = mv_args(w, x ? static_cast<const void*>(x) : acts, 1, y, ld_y, "matvec_experts_combine");
+  MvArgs a = mv_args(w, acts, 1, y, ld_y, "matvec_experts_combine");
   a.ids = ids;
   a.slot_of = slot_of;
+  const dim3 grid(blocks_for(w.rows, kCombineRows), static_cast<unsigned>(n_tokens));
   const cudaStream_t st = cs(s);
   with_quant_type(w.type, "matvec_experts_combine", [&](auto T) {
-    constexpr DType TT = decltype(T)::value;
-    if (x) {
-      const size_t smem = 8 * a.act_stride;
-      need_smem(mmvq_combine_kernel<TT, 8, kCombineRowsQin, true>, smem, "matvec_experts_combine");
-      launch(mmvq_combine_kernel<TT, 8, kCombineRowsQin, true>,
-             dim3(blocks_for(w.rows, kCombineRowsQin), static_cast<unsigned>(n_tokens)), 8 * 32, smem, st, a, wts, k, x);
-    } else {
-      launch(mmvq_combine_kernel<TT, 8, kCombineRows, false>,
-             dim3(blocks_for(w.rows, kCombineRows), static_cast<unsigned>(n_tokens)), 8 * 32, 0, st, a, wts, k,
-             static_cast<const float*>(nullptr));
-    }
+    launch(mmvq_combine_kernel<decltype(T)::value, 8>, grid, 8 * 32, 0, st, a, wts, k);
   });
   launched("matvec_experts_combine");
-}
-
-bool matvec_experts_combine_quantizes(const DevMatrix& w) {
-  return !is_float_type(w.type) && dtype_info(w.type).act_type == DType::Q8_K && w.cols % 256 == 0 && w.cols <= 8192;
 }
 
 void wait_host_rows(const unsigned* host_flag, const unsigned* epoch, const float* host_rows, float* dst,
@@ -2945,7 +2944,7 @@ void route_topk(const float* logits, int n_tokens, int n_expert, int k, int32_t*
 }
 
 bool router_topk(const DevMatrix& router, const float* x, int n_tokens, float* logits, int k, int32_t* ids,
-                 float* weights, unsigned* done, Stream s) {
+                 float* weights, unsigned* done, Stream s, const RoutePublish& pub) {
   if (router.type != DType::F32 || router.n_mats != 1 || router.rows > 512 || n_tokens < 1 ||
       n_tokens > kMaxVecTokens)
     return false;
@@ -2955,13 +2954,20 @@ bool router_topk(const DevMatrix& router, const float* x, int n_tokens, float* l
   const size_t smem = static_cast<size_t>(kMvWarps) * router.rows * sizeof(float);
   const dim3 grid(static_cast<unsigned>(router.rows));
   const cudaStream_t st = cs(s);
-  auto go = [&](auto kernel) { launch(kernel, grid, kMvWarps * 32, smem, st, a, k, ids, weights, done); };
+  if (pub.flag && (!pub.ids || !pub.x || !pub.epoch)) fail("router_topk: a publication needs ids, x, flag and epoch");
+  auto go = [&](auto kernel) { launch(kernel, grid, kMvWarps * 32, smem, st, a, k, ids, weights, done, pub); };
   if (n_tokens <= 1) vec ? go(router_topk_kernel<1, true>) : go(router_topk_kernel<1, false>);
   else if (n_tokens <= 2) vec ? go(router_topk_kernel<2, true>) : go(router_topk_kernel<2, false>);
   else if (n_tokens <= 4) vec ? go(router_topk_kernel<4, true>) : go(router_topk_kernel<4, false>);
   else vec ? go(router_topk_kernel<8, true>) : go(router_topk_kernel<8, false>);
   launched("router_topk");
   return true;
+}
+
+void publish_route(const RoutePublish& pub, const int32_t* ids, int n_ids, const float* x, int64_t n_x, Stream s) {
+  if (!pub.flag || !pub.ids || !pub.x || !pub.epoch) fail("publish_route: ids, x, flag and epoch are required");
+  launch(publish_route_kernel, dim3(1), 256, 0, cs(s), pub, ids, n_ids, x, n_x);
+  launched("publish_route");
 }
 
 void moe_combine(const float* y, const float* weights, int n_tokens, int k, int n, float* out, Stream s) {

@@ -88,13 +88,9 @@ void matvec_experts(const DevMatrix& w, const int32_t* ids, const int32_t* slot_
 // Routed experts and their combination at once (decode, every chosen expert on the device): for each
 // token t < n_tokens (at most 8) with k <= 8 slots t*k + j, y[t * ld_y + r] = moe_combine of the slots'
 // products (activation row = slot), the very bits of matvec_experts (act_row = slot) + moe_combine.
-// Quantized experts only. x (optional): the input as f32 rows [slot][w.cols] instead of acts, converted
-// by the kernel itself (the same bytes as quantize_acts; one launch fewer), where
-// matvec_experts_combine_quantizes(w) says it can.
+// Quantized experts only.
 void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_t* slot_of, int n_tokens, int k,
-                            const void* acts, const float* wts, float* y, int64_t ld_y, Stream s,
-                            const float* x = nullptr);
-bool matvec_experts_combine_quantizes(const DevMatrix& w);
+                            const void* acts, const float* wts, float* y, int64_t ld_y, Stream s);
 // The same for gate and up experts at once (quantized, one type and shape): y = silu(gate x) * (up x),
 // the very bits of two matvec_experts calls and swiglu. `then` (optional): the expert stack the next
 // product reads (down); the chosen experts' matrices of it are hinted into L2 while this one runs.
@@ -169,12 +165,25 @@ void busy_wait(int microseconds, Stream s);
 // renormalised with the sum clamped at 6.1e-5, as cpu::route_softmax_topk. ids/weights [n_tokens][k].
 // (k at most 32, as for residual_norm's combination.)
 void route_topk(const float* logits, int n_tokens, int n_expert, int k, int32_t* ids, float* weights, Stream s);
+// Hybrid decode hands the routing to the CPU through pinned host memory (device views of it): the
+// choices [n_tokens * k] into ids, the router's input rows into x, then the step's epoch (read from
+// device memory) into *flag, after a fence that makes the rows visible to a CPU that sees the flag.
+struct RoutePublish {
+  int32_t* ids = nullptr;
+  float* x = nullptr;
+  unsigned* flag = nullptr;
+  const unsigned* epoch = nullptr;
+};
 // The router's product and route_topk in one launch, for an F32 router of at most 512 experts and at
 // most kMaxVecTokens tokens (x: f32 rows of router.cols values; logits [n_tokens][router.rows]); the
 // same bits as matvec + route_topk. `done` is a device counter that starts at 0 and is left at 0 (one
 // per stream of use). Returns false, having done nothing, where it does not apply.
 bool router_topk(const DevMatrix& router, const float* x, int n_tokens, float* logits, int k, int32_t* ids,
-                 float* weights, unsigned* done, Stream s);
+                 float* weights, unsigned* done, Stream s,
+                 const RoutePublish& pub = {});
+// (pub.flag set: the routing is also published as RoutePublish says, by the kernel's last CTA.)
+// The same publication after a routing made otherwise (a launch of one CTA; n_x floats of x).
+void publish_route(const RoutePublish& pub, const int32_t* ids, int n_ids, const float* x, int64_t n_x, Stream s);
 // out[t] = sum_j weights[t][j] * y[row(t, j)] in j order; rows of y are n wide, row(t,j) = t*k + j.
 void moe_combine(const float* y, const float* weights, int n_tokens, int k, int n, float* out, Stream s);
 

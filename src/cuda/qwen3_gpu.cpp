@@ -4,10 +4,12 @@
 // ops run as one fused kernel with the same arithmetic, e.g. residual add + RMSNorm). What the plan put
 // in host memory runs on the CPU: the routed experts of an MoE layer may be split, some on each side.
 // Decode (micro-batches of up to gpu::kMaxVecTokens tokens), per MoE layer:
-//   GPU: router -> top-k -> copies the choices and the normed input to pinned host memory -> runs the
-//        chosen device-resident experts;
-//   CPU: meanwhile waits for the choices and runs the chosen host-resident experts with all threads;
-//   GPU: receives their outputs and combines all experts' outputs in the reference's order.
+//   GPU: router -> top-k, whose last CTA writes the choices and the normed input into pinned host
+//        memory and raises the layer's route flag -> runs the chosen device-resident experts;
+//   CPU: meanwhile spins on the route flag and runs the chosen host-resident experts with all threads,
+//        writes their outputs to pinned memory and raises the layer's hand-over flag;
+//   GPU: a kernel waiting on that flag copies the rows up; all experts' outputs are combined in the
+//        reference's order.
 // Prefill (larger micro-batches): tokens are grouped by expert and every device-resident expert of a
 // layer runs in one grouped tensor-core launch per matrix. For the host-resident experts, the cost model
 // picks per layer, before the micro-batch starts, between the CPU and streaming them over PCIe. Streamed
@@ -26,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <immintrin.h>
 #include <map>
 #include <numeric>
 #include <string>
@@ -115,8 +118,6 @@ class GpuState final : public ModelState {
     for (void* p : pinned) gpu::free_pinned(p);
     for (void* g : graphs)
       if (g) gpu::destroy_graph(g);
-    for (void* e : ev_route)
-      if (e) gpu::destroy_event(e);
     for (int i = 0; i < kPrefillStageSlots; ++i)
       for (void* e : {ev_free[i], ev_filled[i]})
         if (e) gpu::destroy_event(e);
@@ -172,7 +173,11 @@ class GpuState final : public ModelState {
   unsigned* h_epoch = nullptr;
   unsigned* epoch_dev = nullptr;
   unsigned epoch = 0;
-  std::vector<void*> ev_route;  // per layer: its routing is in h_ids / h_xn (the GPU runs ahead of the CPU)
+  // The other way (decode): the GPU writes a hybrid layer's choices and normed input straight into
+  // h_ids / h_xn and then the epoch into the layer's route flag (gpu::RoutePublish).
+  unsigned* h_route_flags = nullptr;
+  unsigned* route_flags_dev = nullptr;
+  gpu::RoutePublish route_pub;  // h_ids and h_xn as the GPU sees them (flag: per layer, set at use)
   int32_t* offsets = nullptr;               // grouped-expert offsets [n_expert + 1]
   // The prefill upload ring: chunk i of a micro-batch's stream goes to buffer i % kPrefillStageSlots.
   void* copy_stream = nullptr;
@@ -273,6 +278,7 @@ class Qwen3Gpu final : public GpuRunner {
   ~Qwen3Gpu() override {
     gpu::sync_stream(stream_);
     gpu::destroy_stream(stream_);
+    host_prof_.report();
   }
 
   std::unique_ptr<ModelState> new_state(const StateOptions& opt) override {
@@ -485,15 +491,18 @@ class Qwen3Gpu final : public GpuRunner {
     // Host-side products (weights the plan left on the host): logits come in slices of 64 rows.
     st.h_out = st.host<float>(std::max<size_t>(static_cast<size_t>(64) * c_.n_vocab,
                                                static_cast<size_t>(U) * std::max<int64_t>({qw, aw, n, ff, E})));
-    st.ev_route.assign(c_.n_layer, nullptr);
-    for (int l = 0; l < c_.n_layer; ++l)
-      if (hybrid(l)) st.ev_route[l] = gpu::create_event();
     st.h_flags = st.host<unsigned>(c_.n_layer);
     std::memset(st.h_flags, 0, sizeof(unsigned) * c_.n_layer);
     st.flags_dev = static_cast<const unsigned*>(gpu::device_view(st.h_flags));
     st.ey_slots_dev = static_cast<const float*>(gpu::device_view(st.h_ey_slots));
     st.h_epoch = st.host<unsigned>(1);
     st.epoch_dev = static_cast<unsigned*>(st.dev_bytes(sizeof(unsigned), "activations"));
+    st.h_route_flags = st.host<unsigned>(c_.n_layer);
+    std::memset(st.h_route_flags, 0, sizeof(unsigned) * c_.n_layer);
+    st.route_flags_dev = static_cast<unsigned*>(gpu::device_view(st.h_route_flags));
+    st.route_pub.ids = static_cast<int32_t*>(gpu::device_view(st.h_ids));
+    st.route_pub.x = static_cast<float*>(gpu::device_view(st.h_xn));
+    st.route_pub.epoch = st.epoch_dev;
     gpu::sync_stream(stream_);
   }
 
@@ -640,21 +649,22 @@ class Qwen3Gpu final : public GpuRunner {
     const int64_t ff = c.n_ff_exp;
     GExperts& X = G.experts;
     st.ffn_out_combined = false;
+    // The CPU needs the choices and the normed input of a hybrid layer: the routing kernel writes them
+    // into pinned memory and raises the layer's flag, so the CPU starts while the GPU runs its own experts.
+    gpu::RoutePublish pub;
+    if (X.n_dev < c.n_expert) {
+      pub = st.route_pub;
+      pub.flag = st.route_flags_dev + l;
+    }
     if (G.router.on_gpu() &&
-        gpu::router_topk(G.router.dev, st.xn, nt, st.rlogits, k, st.ids, st.wts, st.route_done, stream_)) {
+        gpu::router_topk(G.router.dev, st.xn, nt, st.rlogits, k, st.ids, st.wts, st.route_done, stream_, pub)) {
       prof_.mark("router + top-k", stream_);
     } else {
       linear(st, pool, G.router, st.xn, nt, st.rlogits, c.n_expert);
       prof_.mark("router", stream_);
       gpu::route_topk(st.rlogits, nt, c.n_expert, k, st.ids, st.wts, stream_);
+      if (pub.flag) gpu::publish_route(pub, st.ids, n_slots, st.xn, static_cast<int64_t>(nt) * E, stream_);
       prof_.mark("top-k", stream_);
-    }
-    if (X.n_dev < c.n_expert) {
-      // The CPU needs the choices and the normed input; copy them out first so it can start while
-      // the GPU runs its own experts.
-      gpu::copy_d2h(st.h_ids, st.ids, sizeof(int32_t) * n_slots, stream_);
-      gpu::copy_d2h(st.h_xn, st.xn, sizeof(float) * nt * E, stream_);
-      gpu::record_event(st.ev_route[l], stream_);
     }
     if (X.n_dev > 0) {
       const void* acts = vec_acts(st, X.gate.type, st.xn, nt, E);
@@ -668,15 +678,12 @@ class Qwen3Gpu final : public GpuRunner {
         gpu::matvec_experts(X.up, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.u, ff, stream_);
         gpu::swiglu(st.g, st.u, st.g, n_slots * ff, stream_);
       }
+      acts = vec_acts(st, X.down.type, st.g, n_slots, ff);
       if (X.n_dev == c.n_expert && k <= 8 && !is_float_type(X.down.type)) {
-        // Every expert on the GPU: the down products combine straight into st.y (and convert their
-        // input themselves where they can).
-        const bool qin = gpu::matvec_experts_combine_quantizes(X.down);
-        gpu::matvec_experts_combine(X.down, st.ids, X.slot_of_dev, nt, k, qin ? nullptr : vec_acts(st, X.down.type, st.g, n_slots, ff),
-                                    st.wts, st.y, E, stream_, qin ? st.g : nullptr);
+        // Every expert on the GPU: the down products combine straight into st.y.
+        gpu::matvec_experts_combine(X.down, st.ids, X.slot_of_dev, nt, k, acts, st.wts, st.y, E, stream_);
         st.ffn_out_combined = true;
       } else {
-        acts = vec_acts(st, X.down.type, st.g, n_slots, ff);
         gpu::matvec_experts(X.down, st.ids, X.slot_of_dev, n_slots, acts, st.ident, st.ey, E, stream_);
       }
       prof_.mark("experts down", stream_);
@@ -685,6 +692,21 @@ class Qwen3Gpu final : public GpuRunner {
 
   bool hybrid(int l) const { return layers_[l].moe && layers_[l].experts.n_dev < c_.n_expert; }
 
+  // Waits (spinning: it comes within tens of microseconds) until the GPU has published layer l's
+  // routing of this micro-batch. A failed stream or a minute without it is an error, not a hang.
+  void wait_route(GpuState& st, int l) {
+    const std::atomic_ref<unsigned> flag(st.h_route_flags[l]);
+    const auto t0 = std::chrono::steady_clock::now();
+    for (unsigned spins = 0; flag.load(std::memory_order_acquire) != st.epoch; ++spins) {
+      _mm_pause();
+      if ((spins & 0xfffu) == 0xfffu) {
+        gpu::check_stream(stream_);
+        if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(60))
+          throw Error("the GPU did not hand over the routing of layer " + std::to_string(l) + " within 60 s");
+      }
+    }
+  }
+
   // FFN block, CPU side (hybrid MoE layers, micro-batches of at most kMaxVecTokens): wait for the
   // routing, run the chosen host-resident experts on the CPU threads, put their outputs in h_ey_slots
   // (slot order) and publish them with the layer's flag; the GPU, already queued up to the next layer's
@@ -692,7 +714,9 @@ class Qwen3Gpu final : public GpuRunner {
   void ffn_host(GpuState& st, ThreadPool& pool, int l, int nt) {
     const int E = c_.n_embd, k = c_.n_expert_used, n_slots = nt * k;
     GExperts& X = layers_[l].experts;
-    gpu::sync_event(st.ev_route[l]);
+    const auto t0 = std::chrono::steady_clock::now();
+    wait_route(st, l);
+    const auto t1 = std::chrono::steady_clock::now();
     std::vector<int32_t> tok, exp, slot;
     for (int j = 0; j < n_slots; ++j)
       if (X.slot_of[st.h_ids[j]] < 0) tok.push_back(j / k), exp.push_back(st.h_ids[j]), slot.push_back(j);
@@ -704,6 +728,14 @@ class Qwen3Gpu final : public GpuRunner {
     }
     // The rows before the flag (x86 keeps stores in order; the release keeps the compiler from moving them).
     std::atomic_ref<unsigned>(st.h_flags[l]).store(st.epoch, std::memory_order_release);
+    if (host_prof_.on) {
+      std::vector<int32_t> distinct = exp;
+      std::sort(distinct.begin(), distinct.end());
+      const double per_expert = static_cast<double>(X.host->gate.matrix_bytes() + X.host->up.matrix_bytes() +
+                                                    X.host->down.matrix_bytes());
+      host_prof_.add(t1 - t0, std::chrono::steady_clock::now() - t1,
+                     per_expert * static_cast<double>(std::unique(distinct.begin(), distinct.end()) - distinct.begin()));
+    }
   }
 
   // End of the FFN block: add the FFN output (for MoE the experts' outputs combined) to the residual,
@@ -1120,6 +1152,27 @@ class Qwen3Gpu final : public GpuRunner {
   bool graphs_ok_ = false;
   bool host_products_ = false;  // a non-expert product runs on the host (it waits for the stream)
   OpProfile prof_;
+  // FITMOE_HOST_PROFILE=1: the CPU side of hybrid decode (graphs stay on): per hybrid layer, the time
+  // spent waiting for the GPU's routing and in the experts, and the bandwidth the experts reached.
+  struct HostProfile {
+    bool on = std::getenv("FITMOE_HOST_PROFILE") != nullptr;
+    double wait_s = 0, experts_s = 0, bytes = 0;
+    long layers = 0;
+    void add(std::chrono::steady_clock::duration wait, std::chrono::steady_clock::duration experts, double b) {
+      wait_s += std::chrono::duration<double>(wait).count();
+      experts_s += std::chrono::duration<double>(experts).count();
+      bytes += b;
+      ++layers;
+    }
+    void report() const {
+      if (!on || !layers) return;
+      std::fprintf(stderr,
+                   "\nhost experts (FITMOE_HOST_PROFILE): %ld hybrid layer steps; per layer %.1f us waiting for the GPU's "
+                   "routing, %.1f us in the experts (%.2f MB: %.1f GB/s)\n",
+                   layers, 1e6 * wait_s / layers, 1e6 * experts_s / layers, bytes / layers / 1e6,
+                   experts_s > 0 ? bytes / experts_s / 1e9 : 0.0);
+    }
+  } host_prof_;
   const int chunk_experts_;  // host experts per streamed prefill chunk
 };
 

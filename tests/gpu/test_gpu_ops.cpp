@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "cuda/device.h"
 #include "cuda/gpu_ops.h"
 #include "gpu/gpu_test_util.h"
 #include "quant/dtype.h"
@@ -367,6 +368,50 @@ TEST_F(GpuOps, RouterTopkEqualsMatvecAndRouteTopk) {
                            done.as<unsigned>(), s()));
 }
 
+// The routing handed to the CPU through pinned memory: router_topk's last CTA (and publish_route on its
+// own) writes the choices and the input rows into host buffers and then the epoch into the flag.
+TEST_F(GpuOps, RoutingIsPublishedToPinnedMemory) {
+  const int64_t cols = 512;
+  const int n_expert = 128, k = 8, nt = 3;
+  HostMatrix r = random_matrix(DType::F32, n_expert, cols, 1, 631);
+  auto dr = upload(r.data);
+  DevMatrix m = dev_matrix(r, *dr);
+  Dev done(sizeof(unsigned)), logits(static_cast<size_t>(nt) * n_expert * 4), ids(static_cast<size_t>(nt) * k * 4),
+      wts(static_cast<size_t>(nt) * k * 4), epoch(sizeof(unsigned));
+  cudaMemset(done.as(), 0, sizeof(unsigned));
+  const std::vector<float> xh = randn(static_cast<size_t>(cols) * nt, 632, 1.0f);
+  auto x = upload(xh);
+  auto* h_ids = static_cast<int32_t*>(alloc_pinned(sizeof(int32_t) * nt * k));
+  auto* h_x = static_cast<float*>(alloc_pinned(sizeof(float) * nt * cols));
+  auto* h_flag = static_cast<unsigned*>(alloc_pinned(sizeof(unsigned)));
+  RoutePublish pub;
+  pub.ids = static_cast<int32_t*>(device_view(h_ids));
+  pub.x = static_cast<float*>(device_view(h_x));
+  pub.flag = static_cast<unsigned*>(device_view(h_flag));
+  pub.epoch = epoch.as<unsigned>();
+  for (unsigned e : {7u, 8u}) {
+    SCOPED_TRACE(e == 7 ? "router_topk" : "publish_route");
+    std::memset(h_ids, 0xff, sizeof(int32_t) * nt * k);
+    std::memset(h_x, 0xff, sizeof(float) * nt * cols);
+    *h_flag = 0;
+    cudaMemcpy(epoch.as(), &e, sizeof e, cudaMemcpyHostToDevice);
+    if (e == 7) {
+      ASSERT_TRUE(router_topk(m, x->as<float>(), nt, logits.as<float>(), k, ids.as<int32_t>(), wts.as<float>(),
+                              done.as<unsigned>(), s(), pub));
+    } else {
+      publish_route(pub, ids.as<int32_t>(), nt * k, x->as<float>(), static_cast<int64_t>(nt) * cols, s());
+    }
+    sync();
+    ASSERT_EQ(*h_flag, e) << "the flag does not carry the epoch";
+    const auto want = ids.down<int32_t>(static_cast<size_t>(nt) * k);
+    for (int i = 0; i < nt * k; ++i) ASSERT_EQ(h_ids[i], want[i]) << "choice " << i;
+    for (size_t i = 0; i < xh.size(); ++i) ASSERT_EQ(bits(h_x[i]), bits(xh[i])) << "input " << i;
+  }
+  free_pinned(h_ids);
+  free_pinned(h_x);
+  free_pinned(h_flag);
+}
+
 // Down products with the combination fused: the same bits as matvec_experts (one row per slot) and
 // moe_combine, for k = 8 and a k below the kernel's maximum.
 TEST_F(GpuOps, MatvecExpertsCombineEqualsExpertsAndCombine) {
@@ -397,29 +442,12 @@ TEST_F(GpuOps, MatvecExpertsCombineEqualsExpertsAndCombine) {
         matvec_experts(m, d_ids->as<int32_t>(), d_slot->as<int32_t>(), n_slots, acts->bytes(), d_ident->as<int32_t>(),
                        ey.as<float>(), rows, s());
         moe_combine(ey.as<float>(), wts->as<float>(), nt, k, rows, ref.as<float>(), s());
-        // The f32 input, converted by the kernel itself (Q8_K activation types).
-        const bool qin = matvec_experts_combine_quantizes(m);
-        auto gx = upload(g);
-        Dev yq(static_cast<size_t>(ld) * nt * 4);
-        if (qin)
-          matvec_experts_combine(m, d_ids->as<int32_t>(), d_slot->as<int32_t>(), nt, k, nullptr, wts->as<float>(),
-                                 yq.as<float>(), ld, s(), gx->as<float>());
         sync();
         auto a = y.down<float>(static_cast<size_t>(ld) * nt), b = ref.down<float>(static_cast<size_t>(nt) * rows);
-        auto aq = yq.down<float>(static_cast<size_t>(ld) * nt);
         for (int tk = 0; tk < nt; ++tk)
           for (int64_t r = 0; r < ld; ++r) {
-            if (r >= rows) {
-              ASSERT_TRUE(is_poison(a[tk * ld + r])) << "wrote past the rows";
-              if (qin) {
-                ASSERT_TRUE(is_poison(aq[tk * ld + r])) << "f32 input: wrote past the rows";
-              }
-            } else {
-              ASSERT_EQ(bits(a[tk * ld + r]), bits(b[tk * rows + r])) << "token " << tk << " row " << r;
-              if (qin) {
-                ASSERT_EQ(bits(aq[tk * ld + r]), bits(b[tk * rows + r])) << "f32 input: token " << tk << " row " << r;
-              }
-            }
+            if (r >= rows) ASSERT_TRUE(is_poison(a[tk * ld + r])) << "wrote past the rows";
+            else ASSERT_EQ(bits(a[tk * ld + r]), bits(b[tk * rows + r])) << "token " << tk << " row " << r;
           }
       }
     }
