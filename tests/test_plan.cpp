@@ -191,3 +191,20 @@ TEST(Plan, SmallMicroBatchesUploadOnlyTheExpertsUsed) {
   o.prefill_prefetch_min_used = 0.5;  // 16 tokens use ~64%: now streamed ahead, all of them
   EXPECT_FALSE(prefill_host_experts_cost(o, m, 16, 8, 128, 128, per_expert).after_routing);
 }
+
+// Hybrid decode's GPU share of the host experts: automatic from the bandwidths (strictly between 0 and
+// 1), 0 when there are no host experts, as given otherwise; a share predicts faster decode than none.
+TEST(Plan, GpuShareOfHostExperts) {
+  PlanOptions o;
+  o.cpu_moe = true;
+  const Plan autop = plan_for(o);
+  EXPECT_GT(autop.host_experts_gpu_share, 0.0);
+  EXPECT_LT(autop.host_experts_gpu_share, 1.0);
+  o.host_experts_gpu_share = 0;
+  const Plan none = plan_for(o);
+  EXPECT_EQ(none.host_experts_gpu_share, 0.0);
+  EXPECT_GT(autop.predicted_tg, none.predicted_tg);
+  o.host_experts_gpu_share = 0.5;
+  EXPECT_EQ(plan_for(o).host_experts_gpu_share, 0.5);
+  EXPECT_EQ(plan_for(PlanOptions{}).host_experts_gpu_share, 0.0);  // every expert on the GPU
+}

@@ -25,6 +25,10 @@ void add_model_options(CLI::App& app, ModelOptions& o, bool with_ctx) {
   app.add_option("--prefill-experts", o.prefill_experts,
                  "host-resident experts in prefill: auto (cost model), upload (to the GPU) or cpu")
       ->check(CLI::IsMember({"auto", "upload", "cpu"}));
+  app.add_option("--host-experts-gpu-share", o.gpu_share,
+                 "decode: the part of the chosen host-resident experts the GPU computes, reading their weights "
+                 "over PCIe while the CPU computes the rest (0: the CPU does all; default: from the bandwidths)")
+      ->check(CLI::Range(0.0, 1.0));
   if (with_ctx) {
     app.add_option("-c,--ctx", o.ctx, "context size in tokens")->check(CLI::PositiveNumber);
     app.add_option("--kv-type", o.kv_type, "KV cache type: f16 (default) or f32")->check(CLI::IsMember({"f16", "f32"}));
@@ -53,6 +57,7 @@ LoadOptions load_options(const ModelOptions& o) {
   lo.plan.cpu_moe = o.cpu_moe;
   lo.plan.overrides = parse_overrides(o.overrides);
   lo.plan.prefill_host_experts = o.prefill_experts;
+  lo.plan.host_experts_gpu_share = o.gpu_share;
   return lo;
 }
 

@@ -28,6 +28,7 @@ struct ModelOptions {
   bool cpu_moe = false;
   std::vector<std::string> overrides;
   std::string prefill_experts = "auto";
+  double gpu_share = -1;  // --host-experts-gpu-share (-1: automatic)
 };
 void add_model_options(CLI::App& app, ModelOptions& o, bool with_ctx = true);
 SessionOptions session_options(const ModelOptions& o);

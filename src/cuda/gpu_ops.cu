@@ -1121,7 +1121,8 @@ __global__ void rope_neox_kernel(float* x, int n_heads, int head_dim, int64_t ld
 // thread 0 polls. A host that never publishes (a bug) ends in a trap after 30 s, so the error surfaces
 // at the next CUDA call instead of a hang.
 __global__ void wait_host_rows_kernel(const unsigned* flag, const unsigned* epoch, const float* src, float* dst,
-                                      const int32_t* ids, const int32_t* slot_of, int width) {
+                                      const int32_t* ids, const int32_t* slot_of, int width,
+                                      const int32_t* gpu_slots) {
   pdl_enter();
   __shared__ bool host;
   const int j = blockIdx.y;
@@ -1137,7 +1138,7 @@ __global__ void wait_host_rows_kernel(const unsigned* flag, const unsigned* epoc
       if (now - t0 > 30ull * 1000000000ull) __trap();  // 30 s (the host sets flags even when it fails)
       __nanosleep(500);
     }
-    host = slot_of[ids[j]] < 0;
+    host = slot_of[ids[j]] < 0 && !(gpu_slots && gpu_slots[j] >= 0);
   }
   __syncthreads();
   if (!host) return;
@@ -2440,6 +2441,19 @@ __global__ void route_topk_kernel(const float* __restrict__ logits, int n_expert
 // sees the flag sees them too) the step's epoch into the layer's flag. Called by one whole CTA.
 __device__ void publish_route(const RoutePublish& pub, const int32_t* ids, int n_ids, const float* x, int64_t n_x) {
   for (int i = threadIdx.x; i < n_ids; i += blockDim.x) pub.ids[i] = ids[i];
+  if (pub.gpu_share > 0) {
+    for (int t = threadIdx.x; t < n_ids / pub.k; t += blockDim.x) {
+      const int32_t* it = ids + t * pub.k;
+      int h = 0;
+      for (int j = 0; j < pub.k; ++j) h += pub.slot_of[it[j]] < 0;
+      int take = static_cast<int>(__fadd_rn(__fmul_rn(static_cast<float>(h), pub.gpu_share), 0.25f));
+      for (int j = pub.k - 1; j >= 0; --j) {
+        const bool gpu = take > 0 && pub.slot_of[it[j]] < 0;
+        take -= gpu;
+        pub.gpu_slots[t * pub.k + j] = pub.host_gpu_slots[t * pub.k + j] = gpu ? it[j] : -1;
+      }
+    }
+  }
   for (int64_t i = threadIdx.x; i < n_x; i += blockDim.x) pub.x[i] = x[i];
   __threadfence_system();
   __syncthreads();
@@ -2715,12 +2729,13 @@ void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_
 }
 
 void wait_host_rows(const unsigned* host_flag, const unsigned* epoch, const float* host_rows, float* dst,
-                    const int32_t* ids, const int32_t* slot_of, int n_slots, int width, Stream s) {
+                    const int32_t* ids, const int32_t* slot_of, int n_slots, int width, Stream s,
+                    const int32_t* gpu_slots) {
   if (n_slots <= 0 || width <= 0) return;
   if (n_slots > 65535) fail("wait_host_rows: too many slots");
   if (!aligned(host_rows, 16) || !aligned(dst, 16)) fail("wait_host_rows: rows must be 16-byte aligned");
   const dim3 grid(blocks_for(width, 256 * 4), static_cast<unsigned>(n_slots));
-  launch(wait_host_rows_kernel, grid, 256, 0, cs(s), host_flag, epoch, host_rows, dst, ids, slot_of, width);
+  launch(wait_host_rows_kernel, grid, 256, 0, cs(s), host_flag, epoch, host_rows, dst, ids, slot_of, width, gpu_slots);
   launched("wait_host_rows");
 }
 
@@ -2955,6 +2970,8 @@ bool router_topk(const DevMatrix& router, const float* x, int n_tokens, float* l
   const dim3 grid(static_cast<unsigned>(router.rows));
   const cudaStream_t st = cs(s);
   if (pub.flag && (!pub.ids || !pub.x || !pub.epoch)) fail("router_topk: a publication needs ids, x, flag and epoch");
+  if (pub.flag && pub.gpu_share > 0 && (pub.k != k || !pub.slot_of || !pub.gpu_slots || !pub.host_gpu_slots))
+    fail("router_topk: a GPU share needs k, slot_of and both slot tables");
   auto go = [&](auto kernel) { launch(kernel, grid, kMvWarps * 32, smem, st, a, k, ids, weights, done, pub); };
   if (n_tokens <= 1) vec ? go(router_topk_kernel<1, true>) : go(router_topk_kernel<1, false>);
   else if (n_tokens <= 2) vec ? go(router_topk_kernel<2, true>) : go(router_topk_kernel<2, false>);
@@ -2966,6 +2983,8 @@ bool router_topk(const DevMatrix& router, const float* x, int n_tokens, float* l
 
 void publish_route(const RoutePublish& pub, const int32_t* ids, int n_ids, const float* x, int64_t n_x, Stream s) {
   if (!pub.flag || !pub.ids || !pub.x || !pub.epoch) fail("publish_route: ids, x, flag and epoch are required");
+  if (pub.gpu_share > 0 && (pub.k <= 0 || n_ids % pub.k || !pub.slot_of || !pub.gpu_slots || !pub.host_gpu_slots))
+    fail("publish_route: a GPU share needs k, slot_of and both slot tables");
   launch(publish_route_kernel, dim3(1), 256, 0, cs(s), pub, ids, n_ids, x, n_x);
   launched("publish_route");
 }

@@ -101,10 +101,12 @@ void matvec_experts_glu(const DevMatrix& gate, const DevMatrix& up, const int32_
 // Hybrid decode, the GPU side of the hand-over from the CPU's experts: waits until *host_flag (pinned
 // host memory, device view) equals *epoch (device), then copies the rows j < n_slots of host_rows
 // (pinned, device view; rows of `width` floats) whose expert is host-resident (slot_of[ids[j]] < 0)
-// into dst. The host writes the rows first and the flag last. Lets the GPU work after the hand-over
-// be queued before the CPU has finished.
+// into dst, except the slots the GPU computed itself (gpu_slots[j] >= 0, when given; see RoutePublish).
+// The host writes the rows first and the flag last. Lets the GPU work after the hand-over be queued
+// before the CPU has finished.
 void wait_host_rows(const unsigned* host_flag, const unsigned* epoch, const float* host_rows, float* dst,
-                    const int32_t* ids, const int32_t* slot_of, int n_slots, int width, Stream s);
+                    const int32_t* ids, const int32_t* slot_of, int n_slots, int width, Stream s,
+                    const int32_t* gpu_slots = nullptr);
 void copy_rows(const float* src, int64_t ld_src, const int32_t* src_rows, float* dst, int64_t ld_dst,
                const int32_t* dst_rows, int n, int width, Stream s);
 
@@ -168,11 +170,21 @@ void route_topk(const float* logits, int n_tokens, int n_expert, int k, int32_t*
 // Hybrid decode hands the routing to the CPU through pinned host memory (device views of it): the
 // choices [n_tokens * k] into ids, the router's input rows into x, then the step's epoch (read from
 // device memory) into *flag, after a fence that makes the rows visible to a CPU that sees the flag.
+// With gpu_share > 0 it also splits each token's host-resident choices (slot_of[e] < 0) between the
+// CPU and the GPU, which reads the weights of its part from pinned memory over the bus: of a token's h
+// host slots the last floor(h * gpu_share + 1/4) in slot order go to the GPU (rounding leans to the CPU:
+// an expert too many on the bus delays the layer more than one too few). gpu_slots[j] (device) and
+// host_gpu_slots[j] (pinned) get the expert of each slot the GPU takes, -1 for every other slot.
 struct RoutePublish {
   int32_t* ids = nullptr;
   float* x = nullptr;
   unsigned* flag = nullptr;
   const unsigned* epoch = nullptr;
+  float gpu_share = 0;
+  int k = 0;
+  const int32_t* slot_of = nullptr;
+  int32_t* gpu_slots = nullptr;
+  int32_t* host_gpu_slots = nullptr;
 };
 // The router's product and route_topk in one launch, for an F32 router of at most 512 experts and at
 // most kMaxVecTokens tokens (x: f32 rows of router.cols values; logits [n_tokens][router.rows]); the

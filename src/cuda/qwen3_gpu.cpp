@@ -67,6 +67,9 @@ struct GExperts {
   int n_dev = 0;
   const cpu::ExpertWeights* host = nullptr;
   std::vector<HostChunk> chunks;   // the host-resident experts, in id order
+  // Decode's GPU share of the host experts: all of them as the GPU sees the pinned host copy (data
+  // null: no share for this layer).
+  DevMatrix host_gate, host_up, host_down;
 };
 
 struct GLayer {
@@ -178,6 +181,8 @@ class GpuState final : public ModelState {
   unsigned* h_route_flags = nullptr;
   unsigned* route_flags_dev = nullptr;
   gpu::RoutePublish route_pub;  // h_ids and h_xn as the GPU sees them (flag: per layer, set at use)
+  int32_t* gpu_slots = nullptr;    // per slot: the host expert the GPU computes itself, or -1
+  int32_t* h_gpu_slots = nullptr;  // (pinned copy, for the CPU)
   int32_t* offsets = nullptr;               // grouped-expert offsets [n_expert + 1]
   // The prefill upload ring: chunk i of a micro-batch's stream goes to buffer i % kPrefillStageSlots.
   void* copy_stream = nullptr;
@@ -383,6 +388,17 @@ class Qwen3Gpu final : public GpuRunner {
         X.up = pack(L.experts.up);
         X.down = pack(L.experts.down);
         X.slot_of_dev = reinterpret_cast<int32_t*>(upload(X.slot_of.data(), sizeof(int32_t) * E, "routing tables"));
+        // The GPU's share of decode's host experts reads them in place (the weights are in pinned memory).
+        const Weight &hg = L.experts.gate, &hu = L.experts.up, &hd = L.experts.down;
+        if (plan_.host_experts_gpu_share > 0 && X.n_dev < E && hg.type == hu.type && !is_float_type(hg.type) &&
+            !is_float_type(hd.type)) {
+          auto view = [](const Weight& w) {
+            return matrix_view(w, static_cast<const uint8_t*>(gpu::device_view(const_cast<uint8_t*>(w.host))));
+          };
+          X.host_gate = view(hg);
+          X.host_up = view(hu);
+          X.host_down = view(hd);
+        }
         // Host experts in chunks for prefill streaming, each with its expert -> position table.
         std::vector<int> host_ids;
         for (int e = 0; e < E; ++e)
@@ -503,6 +519,11 @@ class Qwen3Gpu final : public GpuRunner {
     st.route_pub.ids = static_cast<int32_t*>(gpu::device_view(st.h_ids));
     st.route_pub.x = static_cast<float*>(gpu::device_view(st.h_xn));
     st.route_pub.epoch = st.epoch_dev;
+    st.gpu_slots = static_cast<int32_t*>(st.dev_bytes(sizeof(int32_t) * vec_rows, "routing tables"));
+    st.h_gpu_slots = st.host<int32_t>(vec_rows);
+    st.route_pub.gpu_slots = st.gpu_slots;
+    st.route_pub.host_gpu_slots = static_cast<int32_t*>(gpu::device_view(st.h_gpu_slots));
+    st.route_pub.k = c_.n_expert_used;
     gpu::sync_stream(stream_);
   }
 
@@ -652,9 +673,12 @@ class Qwen3Gpu final : public GpuRunner {
     // The CPU needs the choices and the normed input of a hybrid layer: the routing kernel writes them
     // into pinned memory and raises the layer's flag, so the CPU starts while the GPU runs its own experts.
     gpu::RoutePublish pub;
+    const bool share = X.host_gate.data != nullptr;  // the GPU computes part of the host experts too
     if (X.n_dev < c.n_expert) {
       pub = st.route_pub;
       pub.flag = st.route_flags_dev + l;
+      pub.slot_of = X.slot_of_dev;
+      pub.gpu_share = share ? static_cast<float>(plan_.host_experts_gpu_share) : 0.0f;
     }
     if (G.router.on_gpu() &&
         gpu::router_topk(G.router.dev, st.xn, nt, st.rlogits, k, st.ids, st.wts, st.route_done, stream_, pub)) {
@@ -666,28 +690,46 @@ class Qwen3Gpu final : public GpuRunner {
       if (pub.flag) gpu::publish_route(pub, st.ids, n_slots, st.xn, static_cast<int64_t>(nt) * E, stream_);
       prof_.mark("top-k", stream_);
     }
+    // The device-resident experts, and the GPU's share of the host-resident ones read from pinned
+    // memory (their rows of g are other slots', and their outputs go where the CPU's would: ey_host).
+    if (X.n_dev == 0 && !share) return;
+    const DevMatrix& gate = X.n_dev > 0 ? X.gate : X.host_gate;
+    const void* acts = vec_acts(st, gate.type, st.xn, nt, E);
     if (X.n_dev > 0) {
-      const void* acts = vec_acts(st, X.gate.type, st.xn, nt, E);
       if (X.gate.type == X.up.type && !is_float_type(X.gate.type)) {
         gpu::matvec_experts_glu(X.gate, X.up, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.g, ff, stream_,
                                 &X.down);
-        prof_.mark("experts gate+up", stream_);
       } else {
         gpu::matvec_experts(X.gate, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.g, ff, stream_);
-        if (dtype_info(X.up.type).act_type != dtype_info(X.gate.type).act_type) acts = vec_acts(st, X.up.type, st.xn, nt, E);
-        gpu::matvec_experts(X.up, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.u, ff, stream_);
+        const void* acts_up = dtype_info(X.up.type).act_type != dtype_info(X.gate.type).act_type
+                                  ? vec_acts(st, X.up.type, st.xn, nt, E)
+                                  : acts;
+        gpu::matvec_experts(X.up, st.ids, X.slot_of_dev, n_slots, acts_up, st.act_row, st.u, ff, stream_);
         gpu::swiglu(st.g, st.u, st.g, n_slots * ff, stream_);
       }
-      acts = vec_acts(st, X.down.type, st.g, n_slots, ff);
-      if (X.n_dev == c.n_expert && k <= 8 && !is_float_type(X.down.type)) {
-        // Every expert on the GPU: the down products combine straight into st.y.
-        gpu::matvec_experts_combine(X.down, st.ids, X.slot_of_dev, nt, k, acts, st.wts, st.y, E, stream_);
-        st.ffn_out_combined = true;
-      } else {
-        gpu::matvec_experts(X.down, st.ids, X.slot_of_dev, n_slots, acts, st.ident, st.ey, E, stream_);
-      }
-      prof_.mark("experts down", stream_);
     }
+    if (share) {
+      if (X.n_dev > 0 && dtype_info(X.host_gate.type).act_type != dtype_info(gate.type).act_type)
+        acts = vec_acts(st, X.host_gate.type, st.xn, nt, E);
+      gpu::matvec_experts_glu(X.host_gate, X.host_up, st.gpu_slots, nullptr, n_slots, acts, st.act_row, st.g, ff,
+                              stream_);
+    }
+    prof_.mark("experts gate+up", stream_);
+    const DevMatrix& down = X.n_dev > 0 ? X.down : X.host_down;
+    acts = vec_acts(st, down.type, st.g, n_slots, ff);
+    if (X.n_dev == c.n_expert && k <= 8 && !is_float_type(X.down.type)) {
+      // Every expert on the GPU: the down products combine straight into st.y.
+      gpu::matvec_experts_combine(X.down, st.ids, X.slot_of_dev, nt, k, acts, st.wts, st.y, E, stream_);
+      st.ffn_out_combined = true;
+    } else if (X.n_dev > 0) {
+      gpu::matvec_experts(X.down, st.ids, X.slot_of_dev, n_slots, acts, st.ident, st.ey, E, stream_);
+    }
+    if (share) {
+      if (X.n_dev > 0 && dtype_info(X.host_down.type).act_type != dtype_info(down.type).act_type)
+        acts = vec_acts(st, X.host_down.type, st.g, n_slots, ff);
+      gpu::matvec_experts(X.host_down, st.gpu_slots, nullptr, n_slots, acts, st.ident, st.ey_host, E, stream_);
+    }
+    prof_.mark("experts down", stream_);
   }
 
   bool hybrid(int l) const { return layers_[l].moe && layers_[l].experts.n_dev < c_.n_expert; }
@@ -718,8 +760,10 @@ class Qwen3Gpu final : public GpuRunner {
     wait_route(st, l);
     const auto t1 = std::chrono::steady_clock::now();
     std::vector<int32_t> tok, exp, slot;
+    const bool share = X.host_gate.data != nullptr;  // skip the slots the GPU computes itself
     for (int j = 0; j < n_slots; ++j)
-      if (X.slot_of[st.h_ids[j]] < 0) tok.push_back(j / k), exp.push_back(st.h_ids[j]), slot.push_back(j);
+      if (X.slot_of[st.h_ids[j]] < 0 && !(share && st.h_gpu_slots[j] >= 0))
+        tok.push_back(j / k), exp.push_back(st.h_ids[j]), slot.push_back(j);
     if (!tok.empty()) {
       cpu::expert_ffn(pool, *X.host, st.h_xn, nt, E, tok.data(), exp.data(), static_cast<int>(tok.size()), st.h_ey,
                       st.cpu_scratch);
@@ -749,7 +793,7 @@ class Qwen3Gpu final : public GpuRunner {
     void* xq = last ? nullptr : xn_q_for(st, layers_[l + 1].wq, nt);
     if (host_rows) {
       gpu::wait_host_rows(st.flags_dev + l, st.epoch_dev, st.ey_slots_dev, st.ey_host, st.ids, X.slot_of_dev,
-                          nt * c_.n_expert_used, c_.n_embd, stream_);
+                          nt * c_.n_expert_used, c_.n_embd, stream_, X.host_gate.data ? st.gpu_slots : nullptr);
       prof_.mark("host experts (GPU waits)", stream_);
     }
     if (layers_[l].moe && !st.ffn_out_combined)

@@ -377,7 +377,24 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
     }
     for (int l = 0; l < cfg.n_layer; ++l) hybrid_layers += host_experts_of_layer[l] > 0;
     const double t_gpu = (non_expert_tok + p.gpu_bytes_per_token + kv_read) / m.gpu_mem_bw + L * kLayerLaunches;
-    const double t_host = p.host_expert_bytes_per_token / m.host_mem_bw + hybrid_layers * kHybridSync;
+    // The host experts' bytes are read by the CPU (host RAM speed) and, for the GPU's share, by the GPU
+    // over PCIe; by default the share makes both take the same time.
+    const double hb = p.host_expert_bytes_per_token, zc_bw = kZeroCopyEfficiency * m.pcie_bw;
+    double share = opt.host_experts_gpu_share;
+    if (share < 0) share = zc_bw > 0 && m.host_mem_bw > 0 ? zc_bw / (zc_bw + m.host_mem_bw) : 0;
+    p.host_experts_gpu_share = hb > 0 ? std::clamp(share, 0.0, 1.0) : 0;
+    const double t_host = std::max(hb * (1 - p.host_experts_gpu_share) / m.host_mem_bw,
+                                   zc_bw > 0 ? hb * p.host_experts_gpu_share / zc_bw : 0.0) +
+                          hybrid_layers * kHybridSync;
+    if (p.host_experts_gpu_share > 0) {
+      char buf[300];
+      std::snprintf(buf, sizeof buf,
+                    "decode: of each token's chosen host-resident experts the GPU computes about %.0f%%, reading their "
+                    "weights over PCIe (~%.0f GB/s), while the CPU computes the rest (~%.0f GB/s) "
+                    "(--host-experts-gpu-share overrides)",
+                    100 * p.host_experts_gpu_share, zc_bw / 1e9, m.host_mem_bw / 1e9);
+      p.notes.push_back(buf);
+    }
     p.predicted_tg = 1.0 / (t_gpu + t_host);
     // Prefill of one micro-batch of B tokens: the GPU's products, and per layer with host experts the
     // engine's choice between streaming all of them over PCIe (overlapped with the products by the

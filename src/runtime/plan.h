@@ -58,6 +58,10 @@ struct PlanOptions {
   // for the routing and carry only the experts used. Copies issued after the routing carry only the
   // used experts either way. (Tests set it above 1 to make every layer wait.)
   double prefill_prefetch_min_used = 0.9;
+  // Hybrid decode: the part of each token's chosen host-resident experts the GPU computes, reading
+  // their weights from pinned host memory over PCIe while the CPU computes the rest (-1: from the
+  // bandwidths, so that both sides finish together; 0: the CPU computes them all).
+  double host_experts_gpu_share = -1;
 };
 
 struct TensorPlacement {
@@ -85,6 +89,7 @@ struct Plan {
   double host_expert_bytes_per_token = 0;
   double gpu_bytes_per_token = 0;
   double predicted_tg = 0, predicted_pp = 0;
+  double host_experts_gpu_share = 0;  // resolved PlanOptions::host_experts_gpu_share (0 without host experts)
   std::vector<std::string> notes;     // every choice, in order, in words
 
   uint64_t gpu_total() const { return gpu_weights + gpu_experts + gpu_kv + gpu_scratch + reserve; }
@@ -96,6 +101,11 @@ struct Plan {
 // Prefill streams host-resident experts to the GPU through a ring of this many staging buffers of
 // PlanOptions::prefill_chunk_experts experts each (src/cuda/qwen3_gpu.cpp); the plan reserves them.
 constexpr int kPrefillStageSlots = 6;
+
+// The GPU reads weights from pinned host memory inside its kernels (decode's GPU share of the host
+// experts) at about this fraction of the copy bandwidth the machine profile measured (pcie_bw): on
+// the H200 machine about 27 of 54 GB/s, less once the CPU reads host RAM beside it (docs/performance.md).
+constexpr double kZeroCopyEfficiency = 0.4;
 
 // Prefill, one layer whose routed experts are partly in host memory (n_host of n_expert; expert_bytes:
 // one expert's gate + up + down), micro-batch of n_tokens choosing k experts each: the fraction of the

@@ -39,6 +39,10 @@ std::unique_ptr<Model> load_gpu(const std::string& path, const std::string& mode
   if (mode.find("/chunk1") != std::string::npos) lo.plan.prefill_chunk_experts = 1;
   // Every streamed layer's copies wait for its routing (and carry only the experts used).
   if (mode.find("/wait") != std::string::npos) lo.plan.prefill_prefetch_min_used = 2.0;
+  // Decode's GPU share of the host experts (read over the bus): none, half, all.
+  if (mode.find("/share0") != std::string::npos) lo.plan.host_experts_gpu_share = 0;
+  if (mode.find("/share05") != std::string::npos) lo.plan.host_experts_gpu_share = 0.5;
+  if (mode.find("/share1") != std::string::npos) lo.plan.host_experts_gpu_share = 1;
   if (base == "cpu_moe") lo.plan.cpu_moe = true;
   if (base == "n_cpu_moe1") lo.plan.n_cpu_moe = 1;
   // A dense product on the host as well (no decode graphs; its host step waits for the stream, which
@@ -102,7 +106,8 @@ std::vector<GpuCase> cases() {
   for (const char* t : {"f32", "q4_k_m"})
     for (const char* m : {"cpu_moe/upload", "cpu_moe/upload/chunk1", "cpu_moe/cpu", "n_cpu_moe1/upload",
                           "half_budget/upload", "half_budget/upload/chunk1", "half_budget/cpu", "n_cpu_moe1/cpu/wo_host",
-                          "cpu_moe/upload/chunk1/wait", "half_budget/upload/wait"})
+                          "cpu_moe/upload/chunk1/wait", "half_budget/upload/wait", "cpu_moe/cpu/share0",
+                          "cpu_moe/cpu/share05", "cpu_moe/cpu/share1", "half_budget/cpu/share05", "half_budget/cpu/share1"})
       out.push_back({"qwen3moe-tiny", t, m});
   for (const char* t : {"f32", "q8_0"}) out.push_back({"qwen3-draft", t, "gpu"});
   return out;

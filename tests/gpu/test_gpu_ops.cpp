@@ -407,6 +407,38 @@ TEST_F(GpuOps, RoutingIsPublishedToPinnedMemory) {
     for (int i = 0; i < nt * k; ++i) ASSERT_EQ(h_ids[i], want[i]) << "choice " << i;
     for (size_t i = 0; i < xh.size(); ++i) ASSERT_EQ(bits(h_x[i]), bits(xh[i])) << "input " << i;
   }
+  // A GPU share of one half: of each token's host slots (odd experts here) the last floor(h / 2 + 1/4)
+  // in slot order go to the GPU, in both tables; the others read -1.
+  std::vector<int32_t> slot_of(n_expert);
+  for (int e = 0; e < n_expert; ++e) slot_of[e] = e % 2 ? -1 : e / 2;
+  auto d_slot = upload(slot_of);
+  Dev gpu_slots(static_cast<size_t>(nt) * k * 4);
+  auto* h_gpu_slots = static_cast<int32_t*>(alloc_pinned(sizeof(int32_t) * nt * k));
+  pub.gpu_share = 0.5f;
+  pub.k = k;
+  pub.slot_of = d_slot->as<int32_t>();
+  pub.gpu_slots = gpu_slots.as<int32_t>();
+  pub.host_gpu_slots = static_cast<int32_t*>(device_view(h_gpu_slots));
+  ASSERT_TRUE(router_topk(m, x->as<float>(), nt, logits.as<float>(), k, ids.as<int32_t>(), wts.as<float>(),
+                          done.as<unsigned>(), s(), pub));
+  sync();
+  const auto chosen = ids.down<int32_t>(static_cast<size_t>(nt) * k), got = gpu_slots.down<int32_t>(static_cast<size_t>(nt) * k);
+  int taken = 0;
+  for (int t = 0; t < nt; ++t) {
+    int h = 0;
+    for (int j = 0; j < k; ++j) h += slot_of[chosen[t * k + j]] < 0;
+    int take = static_cast<int>(h * 0.5f + 0.25f);
+    for (int j = k - 1; j >= 0; --j) {
+      const int e = chosen[t * k + j];
+      const bool gpu = take > 0 && slot_of[e] < 0;
+      take -= gpu;
+      taken += gpu;
+      ASSERT_EQ(got[t * k + j], gpu ? e : -1) << "token " << t << " slot " << j;
+      ASSERT_EQ(h_gpu_slots[t * k + j], got[t * k + j]) << "pinned copy, token " << t << " slot " << j;
+    }
+  }
+  EXPECT_GT(taken, 0);
+  free_pinned(h_gpu_slots);
   free_pinned(h_ids);
   free_pinned(h_x);
   free_pinned(h_flag);
