@@ -34,5 +34,7 @@ echo "== fitmoe, all on the GPU"
 "$BIN/fitmoe" bench -m "$MODEL" -p 512,2048 -n 128 -r 3 2>/dev/null
 echo "== fitmoe, --vram 8G"
 "$BIN/fitmoe" bench -m "$MODEL" --vram 8G -p 512,2048 -n 128 -r 3 2>/dev/null
+echo "== fitmoe, --vram 8G with the CPU computing every host expert (no GPU share)"
+"$BIN/fitmoe" bench -m "$MODEL" --vram 8G --host-experts-gpu-share 0 -p 0 -n 128 -r 3 2>/dev/null
 echo "== fitmoe, the reference's placement (36/48 layers' experts on the host)"
 "$BIN/fitmoe" bench -m "$MODEL" --override-tensor "$OT" -p 512,2048 -n 128 -r 3 2>/dev/null
