@@ -113,6 +113,36 @@ __device__ __forceinline__ void pdl_enter() {
 #endif
 }
 
+// The flags the CPU and the GPU exchange through pinned memory: system-scope acquire / release from
+// compute capability 7.0 (Volta), a volatile access and a system fence before it (Pascal).
+__device__ __forceinline__ unsigned load_acquire_sys(const unsigned* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  unsigned v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+#else
+  const unsigned v = *reinterpret_cast<const volatile unsigned*>(p);
+  __threadfence_system();
+  return v;
+#endif
+}
+__device__ __forceinline__ void store_release_sys(unsigned* p, unsigned v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+#else
+  __threadfence_system();
+  *reinterpret_cast<volatile unsigned*>(p) = v;
+#endif
+}
+// A short pause in a polling loop (__nanosleep exists from compute capability 7.0; Pascal just polls).
+__device__ __forceinline__ void poll_pause(unsigned ns) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  __nanosleep(ns);
+#else
+  (void)ns;
+#endif
+}
+
 // Hints bytes [p, p + n) into L2, 128-byte lines first, first + stride, ... (a hint: never a fault, and
 // never a change to what a later load returns).
 __device__ __forceinline__ void prefetch_l2(const void* p, size_t n, int first, int stride) {
@@ -1132,11 +1162,11 @@ __global__ void wait_host_rows_kernel(const unsigned* flag, const unsigned* epoc
     uint64_t t0, now;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
     for (;;) {
-      asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(seen) : "l"(flag) : "memory");
+      seen = load_acquire_sys(flag);
       if (seen == want) break;
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
       if (now - t0 > 30ull * 1000000000ull) __trap();  // 30 s (the host sets flags even when it fails)
-      __nanosleep(500);
+      poll_pause(500);
     }
     host = slot_of[ids[j]] < 0 && !(gpu_slots && gpu_slots[j] >= 0);
   }
@@ -1575,7 +1605,7 @@ __device__ __forceinline__ void group_barrier(unsigned* cnt, unsigned target) {
   __syncthreads();
   if (threadIdx.x == 0) {
     atomicAdd(cnt, 1u);
-    while (*reinterpret_cast<volatile unsigned*>(cnt) < target) __nanosleep(20);
+    while (*reinterpret_cast<volatile unsigned*>(cnt) < target) poll_pause(20);
     __threadfence();
   }
   __syncthreads();
@@ -2459,7 +2489,7 @@ __device__ void publish_route(const RoutePublish& pub, const int32_t* ids, int n
   __syncthreads();
   if (threadIdx.x == 0) {
     const unsigned e = *pub.epoch;
-    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(pub.flag), "r"(e) : "memory");
+    store_release_sys(pub.flag, e);
   }
 }
 
