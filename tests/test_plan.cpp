@@ -16,14 +16,16 @@ namespace {
 
 std::string tiny() { return test::testdata("qwen3moe-tiny/qwen3moe-tiny-f32.gguf"); }
 
-Plan plan_for(const PlanOptions& po, uint64_t card = 8ull << 30) {
+Plan plan_for(const PlanOptions& po, uint64_t card = 8ull << 30, const std::string& path = tiny(),
+              double pcie_bw = 0) {
   MachineProfile m = reference_consumer_machine(card);
+  if (pcie_bw > 0) m.pcie_bw = pcie_bw;
   LoadOptions lo;
   lo.plan = po;
   lo.plan_only = true;
   lo.use_mmap = true;
   lo.machine = &m;
-  return Model::load(tiny(), lo)->plan();
+  return Model::load(path, lo)->plan();
 }
 
 int experts_on_gpu(const Plan& p, int layer) {
@@ -192,19 +194,34 @@ TEST(Plan, SmallMicroBatchesUploadOnlyTheExpertsUsed) {
   EXPECT_FALSE(prefill_host_experts_cost(o, m, 16, 8, 128, 128, per_expert).after_routing);
 }
 
-// Hybrid decode's GPU share of the host experts: automatic from the bandwidths (strictly between 0 and
-// 1), 0 when there are no host experts, as given otherwise; a share predicts faster decode than none.
+// Hybrid decode's GPU share of the host experts: a token with h host slots gives the GPU
+// floor(h * share + 1/4) of them, so a share that takes nothing at the expected h is dropped (0), one that
+// takes some is kept and predicts faster decode than none; every expert on the GPU means no share.
 TEST(Plan, GpuShareOfHostExperts) {
+  EXPECT_DOUBLE_EQ(host_experts_share_taken(0.2, 8, 80, 128), 0.2);  // h = 5: one of five
+  EXPECT_DOUBLE_EQ(host_experts_share_taken(0.1, 8, 40, 128), 0.0);  // h = 2.5: none
+  EXPECT_DOUBLE_EQ(host_experts_share_taken(1.0, 8, 128, 128), 1.0);
+  EXPECT_DOUBLE_EQ(host_experts_share_taken(0.0, 8, 128, 128), 0.0);
+  const std::string q4 = test::testdata("qwen3moe-tiny/qwen3moe-tiny-q4_k_m.gguf");
+  const uint64_t card = 8ull << 30;
   PlanOptions o;
-  o.cpu_moe = true;
-  const Plan autop = plan_for(o);
-  EXPECT_GT(autop.host_experts_gpu_share, 0.0);
-  EXPECT_LT(autop.host_experts_gpu_share, 1.0);
+  o.cpu_moe = true;  // the tiny model: 2 of 4 experts per token, all on the host (h = 2)
   o.host_experts_gpu_share = 0;
-  const Plan none = plan_for(o);
+  const Plan none = plan_for(o, card, q4);
   EXPECT_EQ(none.host_experts_gpu_share, 0.0);
-  EXPECT_GT(autop.predicted_tg, none.predicted_tg);
   o.host_experts_gpu_share = 0.5;
-  EXPECT_EQ(plan_for(o).host_experts_gpu_share, 0.5);
+  const Plan half = plan_for(o, card, q4);
+  EXPECT_EQ(half.host_experts_gpu_share, 0.5);
+  // Over the consumer machine's PCIe 3.0 half of the bytes take longer than all of them from host RAM
+  // (the model knows); with a fast bus (the H200 machine's 54 GB/s) the share pays.
+  EXPECT_LT(half.predicted_tg, none.predicted_tg);
+  EXPECT_GT(plan_for(o, card, q4, 54e9).predicted_tg, plan_for(PlanOptions{none.options}, card, q4, 54e9).predicted_tg);
+  EXPECT_EQ(plan_for(o).host_experts_gpu_share, 0.0);  // f32 experts: the kernels do not take a share
+  o.host_experts_gpu_share = 0.1;  // floor(2 * 0.1 + 1/4) = 0
+  EXPECT_EQ(plan_for(o, card, q4).host_experts_gpu_share, 0.0);
+  o.host_experts_gpu_share = -1;
+  const double autos = plan_for(o, card, q4).host_experts_gpu_share;
+  EXPECT_GE(autos, 0.0);
+  EXPECT_LE(autos, 1.0);
   EXPECT_EQ(plan_for(PlanOptions{}).host_experts_gpu_share, 0.0);  // every expert on the GPU
 }

@@ -232,9 +232,11 @@ void record_event(void* e, void* s) {
 void wait_event(void* s, void* e) {
   check(cudaStreamWaitEvent(static_cast<cudaStream_t>(s), static_cast<cudaEvent_t>(e), 0), "cudaStreamWaitEvent");
 }
-void check_stream(void* s) {
+bool check_stream(void* s) {
   const cudaError_t e = cudaStreamQuery(static_cast<cudaStream_t>(s));
-  if (e != cudaErrorNotReady) check(e, "the GPU stream");
+  if (e == cudaErrorNotReady) return false;
+  check(e, "the GPU stream");
+  return true;
 }
 void sync_event(void* e) { check(cudaEventSynchronize(static_cast<cudaEvent_t>(e)), "cudaEventSynchronize"); }
 void sync_stream(void* s) { check(cudaStreamSynchronize(static_cast<cudaStream_t>(s)), "cudaStreamSynchronize"); }

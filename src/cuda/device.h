@@ -61,7 +61,7 @@ void record_event(void* e, void* stream);
 void wait_event(void* stream, void* e);      // GPU-side wait
 void sync_event(void* e);                     // host waits
 void sync_stream(void* s);
-void check_stream(void* s);                   // throws if the stream's work failed (never waits)
+bool check_stream(void* s);  // whether the stream's work is all done; throws if it failed (never waits)
 void copy_h2d(void* dst, const void* src, size_t bytes, void* stream);
 void copy_d2h(void* dst, const void* src, size_t bytes, void* stream);
 void copy_d2d(void* dst, const void* src, size_t bytes, void* stream);

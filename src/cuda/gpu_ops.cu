@@ -2475,10 +2475,12 @@ __device__ void publish_route(const RoutePublish& pub, const int32_t* ids, int n
     for (int t = threadIdx.x; t < n_ids / pub.k; t += blockDim.x) {
       const int32_t* it = ids + t * pub.k;
       int h = 0;
-      for (int j = 0; j < pub.k; ++j) h += pub.slot_of[it[j]] < 0;
+      // (A choice out of range, from NaN logits, counts as device-resident here; the host rejects it.)
+      auto host = [&](int32_t e) { return e >= 0 && e < pub.n_expert && pub.slot_of[e] < 0; };
+      for (int j = 0; j < pub.k; ++j) h += host(it[j]);
       int take = static_cast<int>(__fadd_rn(__fmul_rn(static_cast<float>(h), pub.gpu_share), 0.25f));
       for (int j = pub.k - 1; j >= 0; --j) {
-        const bool gpu = take > 0 && pub.slot_of[it[j]] < 0;
+        const bool gpu = take > 0 && host(it[j]);
         take -= gpu;
         pub.gpu_slots[t * pub.k + j] = pub.host_gpu_slots[t * pub.k + j] = gpu ? it[j] : -1;
       }
@@ -3000,7 +3002,8 @@ bool router_topk(const DevMatrix& router, const float* x, int n_tokens, float* l
   const dim3 grid(static_cast<unsigned>(router.rows));
   const cudaStream_t st = cs(s);
   if (pub.flag && (!pub.ids || !pub.x || !pub.epoch)) fail("router_topk: a publication needs ids, x, flag and epoch");
-  if (pub.flag && pub.gpu_share > 0 && (pub.k != k || !pub.slot_of || !pub.gpu_slots || !pub.host_gpu_slots))
+  if (pub.flag && pub.gpu_share > 0 &&
+      (pub.k != k || pub.n_expert != router.rows || !pub.slot_of || !pub.gpu_slots || !pub.host_gpu_slots))
     fail("router_topk: a GPU share needs k, slot_of and both slot tables");
   auto go = [&](auto kernel) { launch(kernel, grid, kMvWarps * 32, smem, st, a, k, ids, weights, done, pub); };
   if (n_tokens <= 1) vec ? go(router_topk_kernel<1, true>) : go(router_topk_kernel<1, false>);
@@ -3011,9 +3014,19 @@ bool router_topk(const DevMatrix& router, const float* x, int n_tokens, float* l
   return true;
 }
 
+bool matvec_weight_ok(const DevMatrix& w) {
+  try {
+    check_weight(w, "matvec_weight_ok");
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
 void publish_route(const RoutePublish& pub, const int32_t* ids, int n_ids, const float* x, int64_t n_x, Stream s) {
   if (!pub.flag || !pub.ids || !pub.x || !pub.epoch) fail("publish_route: ids, x, flag and epoch are required");
-  if (pub.gpu_share > 0 && (pub.k <= 0 || n_ids % pub.k || !pub.slot_of || !pub.gpu_slots || !pub.host_gpu_slots))
+  if (pub.gpu_share > 0 &&
+      (pub.k <= 0 || n_ids % pub.k || pub.n_expert <= 0 || !pub.slot_of || !pub.gpu_slots || !pub.host_gpu_slots))
     fail("publish_route: a GPU share needs k, slot_of and both slot tables");
   launch(publish_route_kernel, dim3(1), 256, 0, cs(s), pub, ids, n_ids, x, n_x);
   launched("publish_route");

@@ -181,7 +181,7 @@ struct RoutePublish {
   unsigned* flag = nullptr;
   const unsigned* epoch = nullptr;
   float gpu_share = 0;
-  int k = 0;
+  int k = 0, n_expert = 0;
   const int32_t* slot_of = nullptr;
   int32_t* gpu_slots = nullptr;
   int32_t* host_gpu_slots = nullptr;
@@ -196,6 +196,8 @@ bool router_topk(const DevMatrix& router, const float* x, int n_tokens, float* l
 // (pub.flag set: the routing is also published as RoutePublish says, by the kernel's last CTA.)
 // The same publication after a routing made otherwise (a launch of one CTA; n_x floats of x).
 void publish_route(const RoutePublish& pub, const int32_t* ids, int n_ids, const float* x, int64_t n_x, Stream s);
+// Whether the mat-vec kernels take this weight (type, shape, alignment), without throwing.
+bool matvec_weight_ok(const DevMatrix& w);
 // out[t] = sum_j weights[t][j] * y[row(t, j)] in j order; rows of y are n wide, row(t,j) = t*k + j.
 void moe_combine(const float* y, const float* weights, int n_tokens, int k, int n, float* out, Stream s);
 

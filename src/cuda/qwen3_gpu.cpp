@@ -388,16 +388,21 @@ class Qwen3Gpu final : public GpuRunner {
         X.up = pack(L.experts.up);
         X.down = pack(L.experts.down);
         X.slot_of_dev = reinterpret_cast<int32_t*>(upload(X.slot_of.data(), sizeof(int32_t) * E, "routing tables"));
-        // The GPU's share of decode's host experts reads them in place (the weights are in pinned memory).
+        // The GPU's share of decode's host experts reads them in place (the weights are in pinned memory),
+        // where a token is expected to give the GPU at least one expert (see gpu::RoutePublish) and the
+        // kernels take the weights as they lie.
         const Weight &hg = L.experts.gate, &hu = L.experts.up, &hd = L.experts.down;
-        if (plan_.host_experts_gpu_share > 0 && X.n_dev < E && hg.type == hu.type && !is_float_type(hg.type) &&
-            !is_float_type(hd.type)) {
+        if (host_experts_share_taken(plan_.host_experts_gpu_share, c_.n_expert_used, E - X.n_dev, E) > 0 &&
+            hg.type == hu.type && !is_float_type(hg.type) && !is_float_type(hd.type)) {
           auto view = [](const Weight& w) {
             return matrix_view(w, static_cast<const uint8_t*>(gpu::device_view(const_cast<uint8_t*>(w.host))));
           };
-          X.host_gate = view(hg);
-          X.host_up = view(hu);
-          X.host_down = view(hd);
+          const DevMatrix vg = view(hg), vu = view(hu), vd = view(hd);
+          if (gpu::matvec_weight_ok(vg) && gpu::matvec_weight_ok(vu) && gpu::matvec_weight_ok(vd)) {
+            X.host_gate = vg;
+            X.host_up = vu;
+            X.host_down = vd;
+          }
         }
         // Host experts in chunks for prefill streaming, each with its expert -> position table.
         std::vector<int> host_ids;
@@ -524,6 +529,7 @@ class Qwen3Gpu final : public GpuRunner {
     st.route_pub.gpu_slots = st.gpu_slots;
     st.route_pub.host_gpu_slots = static_cast<int32_t*>(gpu::device_view(st.h_gpu_slots));
     st.route_pub.k = c_.n_expert_used;
+    st.route_pub.n_expert = c_.n_expert;
     gpu::sync_stream(stream_);
   }
 
@@ -742,7 +748,8 @@ class Qwen3Gpu final : public GpuRunner {
     for (unsigned spins = 0; flag.load(std::memory_order_acquire) != st.epoch; ++spins) {
       _mm_pause();
       if ((spins & 0xfffu) == 0xfffu) {
-        gpu::check_stream(stream_);
+        if (gpu::check_stream(stream_) && flag.load(std::memory_order_acquire) != st.epoch)
+          throw Error("internal: the GPU finished without handing over the routing of layer " + std::to_string(l));
         if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(60))
           throw Error("the GPU did not hand over the routing of layer " + std::to_string(l) + " within 60 s");
       }
@@ -761,6 +768,8 @@ class Qwen3Gpu final : public GpuRunner {
     const auto t1 = std::chrono::steady_clock::now();
     std::vector<int32_t> tok, exp, slot;
     const bool share = X.host_gate.data != nullptr;  // skip the slots the GPU computes itself
+    for (int j = 0; j < n_slots; ++j)
+      if (st.h_ids[j] < 0 || st.h_ids[j] >= c_.n_expert) throw Error("router chose an expert out of range");
     for (int j = 0; j < n_slots; ++j)
       if (X.slot_of[st.h_ids[j]] < 0 && !(share && st.h_gpu_slots[j] >= 0))
         tok.push_back(j / k), exp.push_back(st.h_ids[j]), slot.push_back(j);

@@ -93,6 +93,13 @@ const TensorPlacement* Plan::find(const std::string& name) const {
   return nullptr;
 }
 
+double host_experts_share_taken(double share, int k, int n_host, int n_expert) {
+  if (share <= 0 || k <= 0 || n_host <= 0 || n_expert <= 0) return 0;
+  const double h = static_cast<double>(k) * n_host / n_expert;
+  const double take = std::floor(h * static_cast<float>(share) + 0.25);  // the kernel's float share
+  return std::min(1.0, take / h);
+}
+
 HostExpertsCost prefill_host_experts_cost(const PlanOptions& opt, const MachineProfile& m, int n_tokens, int k,
                                           int n_expert, int n_host, double expert_bytes) {
   HostExpertsCost c;
@@ -379,20 +386,40 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
     const double t_gpu = (non_expert_tok + p.gpu_bytes_per_token + kv_read) / m.gpu_mem_bw + L * kLayerLaunches;
     // The host experts' bytes are read by the CPU (host RAM speed) and, for the GPU's share, by the GPU
     // over PCIe; by default the share makes both take the same time.
+    // The engine takes the share where a token is expected to give the GPU an expert and the kernels
+    // take the expert types (quantized, gate and up of one type).
     const double hb = p.host_expert_bytes_per_token, zc_bw = kZeroCopyEfficiency * m.pcie_bw;
     double share = opt.host_experts_gpu_share;
     if (share < 0) share = zc_bw > 0 && m.host_mem_bw > 0 ? zc_bw / (zc_bw + m.host_mem_bw) : 0;
-    p.host_experts_gpu_share = hb > 0 ? std::clamp(share, 0.0, 1.0) : 0;
-    const double t_host = std::max(hb * (1 - p.host_experts_gpu_share) / m.host_mem_bw,
-                                   zc_bw > 0 ? hb * p.host_experts_gpu_share / zc_bw : 0.0) +
+    share = std::clamp(share, 0.0, 1.0);
+    std::vector<DType> gate_type(cfg.n_layer, DType::F32), up_type(cfg.n_layer, DType::F32), down_type(cfg.n_layer, DType::F32);
+    for (const auto& t : p.tensors) {
+      if (!t.is_experts || t.layer < 0 || t.layer >= cfg.n_layer) continue;
+      const gguf::TensorInfo* ti = file.find_tensor(t.name);
+      if (!ti) continue;
+      const DType ty = ti->type;
+      if (t.name.find("ffn_gate_exps") != std::string::npos) gate_type[t.layer] = ty;
+      else if (t.name.find("ffn_up_exps") != std::string::npos) up_type[t.layer] = ty;
+      else if (t.name.find("ffn_down_exps") != std::string::npos) down_type[t.layer] = ty;
+    }
+    double gpu_part = 0;  // host-expert bytes per token the GPU reads over the bus
+    for (int l = 0; l < cfg.n_layer; ++l) {
+      if (!host_experts_of_layer[l] || gate_type[l] != up_type[l] || is_float_type(gate_type[l]) ||
+          is_float_type(down_type[l]))
+        continue;
+      gpu_part += k * expert_bytes_of_layer[l] * host_experts_of_layer[l] / E *
+                  host_experts_share_taken(share, k, host_experts_of_layer[l], E);
+    }
+    p.host_experts_gpu_share = gpu_part > 0 ? share : 0;
+    const double t_host = std::max((hb - gpu_part) / m.host_mem_bw, zc_bw > 0 ? gpu_part / zc_bw : 0.0) +
                           hybrid_layers * kHybridSync;
-    if (p.host_experts_gpu_share > 0) {
-      char buf[300];
+    if (gpu_part > 0) {
+      char buf[340];
       std::snprintf(buf, sizeof buf,
-                    "decode: of each token's chosen host-resident experts the GPU computes about %.0f%%, reading their "
-                    "weights over PCIe (~%.0f GB/s), while the CPU computes the rest (~%.0f GB/s) "
-                    "(--host-experts-gpu-share overrides)",
-                    100 * p.host_experts_gpu_share, zc_bw / 1e9, m.host_mem_bw / 1e9);
+                    "decode: the GPU computes part of each token's chosen host-resident experts (share %.2f: about "
+                    "%.0f%% of their bytes), reading their weights over PCIe (~%.0f GB/s), while the CPU computes the "
+                    "rest (~%.0f GB/s) (--host-experts-gpu-share overrides)",
+                    share, 100 * gpu_part / hb, zc_bw / 1e9, m.host_mem_bw / 1e9);
       p.notes.push_back(buf);
     }
     p.predicted_tg = 1.0 / (t_gpu + t_host);
@@ -410,7 +437,8 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
       const HostExpertsCost c = prefill_host_experts_cost(opt, m, opt.n_ubatch, k, E, host_experts_of_layer[l],
                                                           expert_bytes_of_layer[l]);
       if (c.stream) {
-        t_stream += c.upload_s;
+        // (Copies that wait for the layer's routing are counted as not overlapped.)
+        (c.after_routing ? t_cpu : t_stream) += c.upload_s;
         streamed_bytes += host_bytes_of_layer[l] * (c.after_routing ? c.used_fraction : 1.0);  // used ones only when it waits
         ++n_stream;
       } else {

@@ -102,6 +102,12 @@ struct Plan {
 // PlanOptions::prefill_chunk_experts experts each (src/cuda/qwen3_gpu.cpp); the plan reserves them.
 constexpr int kPrefillStageSlots = 6;
 
+// Decode's GPU share of one layer's host-resident experts (n_host of n_expert, k chosen per token): a
+// token with h host slots gives the GPU floor(h * share + 1/4) of them (gpu::RoutePublish); this is the
+// fraction of the host slots it takes for the expected h = k * n_host / n_expert (0: the share takes
+// nothing there, and the engine leaves the layer's host experts to the CPU).
+double host_experts_share_taken(double share, int k, int n_host, int n_expert);
+
 // The GPU reads weights from pinned host memory inside its kernels (decode's GPU share of the host
 // experts) at about this fraction of the copy bandwidth the machine profile measured (pcie_bw): on
 // the H200 machine about 27 of 54 GB/s, less once the CPU reads host RAM beside it (docs/performance.md).

@@ -416,6 +416,7 @@ TEST_F(GpuOps, RoutingIsPublishedToPinnedMemory) {
   auto* h_gpu_slots = static_cast<int32_t*>(alloc_pinned(sizeof(int32_t) * nt * k));
   pub.gpu_share = 0.5f;
   pub.k = k;
+  pub.n_expert = n_expert;
   pub.slot_of = d_slot->as<int32_t>();
   pub.gpu_slots = gpu_slots.as<int32_t>();
   pub.host_gpu_slots = static_cast<int32_t*>(device_view(h_gpu_slots));
