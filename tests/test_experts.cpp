@@ -76,6 +76,17 @@ TEST_P(ExpertFfn, MatchesScalarReference) {
   ThreadPool pool(n_threads);
   cpu::Scratch scratch;
   cpu::expert_ffn(pool, w, x.data(), n_tokens, kEmbd, tok.data(), exp.data(), n_assign, out.data(), scratch);
+  // The same with each slot's output sent to another row (reversed, one spare row left untouched).
+  std::vector<int32_t> rows(n_assign);
+  for (int a = 0; a < n_assign; ++a) rows[a] = n_assign - a;
+  std::vector<float> moved(static_cast<size_t>(n_assign + 1) * kEmbd, NAN);
+  cpu::expert_ffn(pool, w, x.data(), n_tokens, kEmbd, tok.data(), exp.data(), n_assign, moved.data(), scratch,
+                  rows.data());
+  for (int i = 0; i < kEmbd; ++i) ASSERT_TRUE(std::isnan(moved[i])) << "row 0 was written";
+  for (int a = 0; a < n_assign; ++a)
+    ASSERT_EQ(std::memcmp(&moved[static_cast<size_t>(rows[a]) * kEmbd], &out[static_cast<size_t>(a) * kEmbd],
+                          sizeof(float) * kEmbd), 0)
+        << "slot " << a << " differs when sent to row " << rows[a];
 
   // The fast kernels are bit-exact with the reference dot products, so the whole chain is too.
   int64_t differ = 0;

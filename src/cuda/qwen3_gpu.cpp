@@ -774,10 +774,9 @@ class Qwen3Gpu final : public GpuRunner {
       if (X.slot_of[st.h_ids[j]] < 0 && !(share && st.h_gpu_slots[j] >= 0))
         tok.push_back(j / k), exp.push_back(st.h_ids[j]), slot.push_back(j);
     if (!tok.empty()) {
-      cpu::expert_ffn(pool, *X.host, st.h_xn, nt, E, tok.data(), exp.data(), static_cast<int>(tok.size()), st.h_ey,
-                      st.cpu_scratch);
-      for (size_t i = 0; i < slot.size(); ++i)
-        std::memcpy(st.h_ey_slots + static_cast<size_t>(slot[i]) * E, st.h_ey + i * E, sizeof(float) * E);
+      // Each output straight into its slot's row of h_ey_slots.
+      cpu::expert_ffn(pool, *X.host, st.h_xn, nt, E, tok.data(), exp.data(), static_cast<int>(tok.size()),
+                      st.h_ey_slots, st.cpu_scratch, slot.data());
     }
     // The rows before the flag (x86 keeps stores in order; the release keeps the compiler from moving them).
     std::atomic_ref<unsigned>(st.h_flags[l]).store(st.epoch, std::memory_order_release);

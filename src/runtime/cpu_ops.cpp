@@ -291,7 +291,8 @@ void route_softmax_topk(const float* logits, int n_expert, int k, bool renormali
 }
 
 void expert_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tokens, int n_embd,
-                const int32_t* token_of_slot, const int32_t* experts, int n_assign, float* out, Scratch& scratch) {
+                const int32_t* token_of_slot, const int32_t* experts, int n_assign, float* out, Scratch& scratch,
+                const int32_t* out_rows) {
   const int n_expert = static_cast<int>(w.gate.ne[2]);
   const int64_t n_ff = w.gate.rows();
 
@@ -303,14 +304,10 @@ void expert_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_
     offset[experts[a] + 1]++;
   }
   for (int e = 0; e < n_expert; ++e) offset[e + 1] += offset[e];
-  std::vector<int> grouped(static_cast<size_t>(n_assign)), slot_row(static_cast<size_t>(n_assign));
+  std::vector<int> grouped(static_cast<size_t>(n_assign));  // grouped row -> assignment (slot) index
   {
     std::vector<int> fill(offset.begin(), offset.end() - 1);
-    for (int a = 0; a < n_assign; ++a) {
-      int row = fill[experts[a]]++;
-      grouped[row] = a;      // assignment (slot) index
-      slot_row[a] = row;
-    }
+    for (int a = 0; a < n_assign; ++a) grouped[fill[experts[a]]++] = a;
   }
   std::vector<int> active;
   for (int e = 0; e < n_expert; ++e)
@@ -349,11 +346,21 @@ void expert_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_
     kern_up.matmul_tile(mu.cols(), mu.row(r0), mu.row_bytes, nr, xg + a0 * in_stride, in_stride, nc,
                         u + static_cast<int64_t>(a0) * n_ff + r0, static_cast<size_t>(n_ff));
   };
+  // The down rows go straight to their place in out (one slot), or through d and a copy of this
+  // thread's columns (several slots of one expert are not evenly spaced in out): no serial copy after.
+  auto out_row = [&](int i) { return out + static_cast<int64_t>(out_rows ? out_rows[grouped[i]] : grouped[i]) * n_embd; };
   auto down_rows = [&](int e, int64_t r0, int nr) {
     const int a0 = offset[e], nc = offset[e + 1] - offset[e];
     const Weight md = w.down.expert(e);
+    if (nc == 1) {
+      kern_down.matmul_tile(md.cols(), md.row(r0), md.row_bytes, nr, hq + a0 * mid_stride, mid_stride, 1,
+                            out_row(a0) + r0, static_cast<size_t>(n_embd));
+      return;
+    }
     kern_down.matmul_tile(md.cols(), md.row(r0), md.row_bytes, nr, hq + a0 * mid_stride, mid_stride, nc,
                           d + static_cast<int64_t>(a0) * n_embd + r0, static_cast<size_t>(n_embd));
+    for (int i = a0; i < a0 + nc; ++i)
+      std::memcpy(out_row(i) + r0, d + static_cast<int64_t>(i) * n_embd + r0, sizeof(float) * nr);
   };
   auto swiglu_quant = [&](int64_t r) {
     float* gr = g + r * n_ff;
@@ -406,9 +413,6 @@ void expert_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_
     });
     run_items(n_embd, down_rows);
   }
-
-  for (int a = 0; a < n_assign; ++a)
-    std::memcpy(out + static_cast<int64_t>(a) * n_embd, d + static_cast<int64_t>(slot_row[a]) * n_embd, sizeof(float) * n_embd);
 }
 
 void moe_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tokens, int n_embd,

@@ -102,12 +102,14 @@ void moe_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tok
              const int32_t* experts, const float* weights, int k, float* out, Scratch& scratch);
 // The unweighted outputs of a list of (token, expert) slots: out[a] = down_e(silu(gate_e x_t) * up_e x_t)
 // with t = token_of_slot[a], e = experts[a]; each chosen expert's weights are read once. Used by
-// moe_ffn and by the GPU engine for the experts that live in host memory.
+// moe_ffn and by the GPU engine for the experts that live in host memory. out_rows (optional): slot a's
+// output goes to row out_rows[a] of out instead of row a (the threads write it as they compute it).
 // Up to this many tokens (decode), expert_ffn splits the rows statically and evenly over the threads in
 // one job; above it, in dynamically taken blocks.
 constexpr int kExpertFfnStaticTokens = 8;
 void expert_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tokens, int n_embd,
-                const int32_t* token_of_slot, const int32_t* experts, int n_slots, float* out, Scratch& scratch);
+                const int32_t* token_of_slot, const int32_t* experts, int n_slots, float* out, Scratch& scratch,
+                const int32_t* out_rows = nullptr);
 // out[t] = sum_j weights[t][j] * y[t * k + j], summed in j order (the reference's order).
 void moe_combine(const float* y, const float* weights, int n_tokens, int k, int n_embd, float* out);
 
