@@ -70,6 +70,7 @@ struct GExperts {
   // Decode's GPU share of the host experts: all of them as the GPU sees the pinned host copy (data
   // null: no share for this layer).
   DevMatrix host_gate, host_up, host_down;
+  bool gpu_share() const { return host_gate.data != nullptr; }
 };
 
 struct GLayer {
@@ -679,7 +680,7 @@ class Qwen3Gpu final : public GpuRunner {
     // The CPU needs the choices and the normed input of a hybrid layer: the routing kernel writes them
     // into pinned memory and raises the layer's flag, so the CPU starts while the GPU runs its own experts.
     gpu::RoutePublish pub;
-    const bool share = X.host_gate.data != nullptr;  // the GPU computes part of the host experts too
+    const bool share = X.gpu_share();  // the GPU computes part of the host experts too
     if (X.n_dev < c.n_expert) {
       pub = st.route_pub;
       pub.flag = st.route_flags_dev + l;
@@ -767,12 +768,13 @@ class Qwen3Gpu final : public GpuRunner {
     wait_route(st, l);
     const auto t1 = std::chrono::steady_clock::now();
     std::vector<int32_t> tok, exp, slot;
-    const bool share = X.host_gate.data != nullptr;  // skip the slots the GPU computes itself
-    for (int j = 0; j < n_slots; ++j)
-      if (st.h_ids[j] < 0 || st.h_ids[j] >= c_.n_expert) throw Error("router chose an expert out of range");
-    for (int j = 0; j < n_slots; ++j)
-      if (X.slot_of[st.h_ids[j]] < 0 && !(share && st.h_gpu_slots[j] >= 0))
-        tok.push_back(j / k), exp.push_back(st.h_ids[j]), slot.push_back(j);
+    for (int j = 0; j < n_slots; ++j) {
+      const int32_t e = st.h_ids[j];
+      if (e < 0 || e >= c_.n_expert) throw Error("router chose an expert out of range");
+      // Host-resident, and not one the GPU computes itself.
+      if (X.slot_of[e] < 0 && !(X.gpu_share() && st.h_gpu_slots[j] >= 0))
+        tok.push_back(j / k), exp.push_back(e), slot.push_back(j);
+    }
     if (!tok.empty()) {
       // Each output straight into its slot's row of h_ey_slots.
       cpu::expert_ffn(pool, *X.host, st.h_xn, nt, E, tok.data(), exp.data(), static_cast<int>(tok.size()),
@@ -801,7 +803,7 @@ class Qwen3Gpu final : public GpuRunner {
     void* xq = last ? nullptr : xn_q_for(st, layers_[l + 1].wq, nt);
     if (host_rows) {
       gpu::wait_host_rows(st.flags_dev + l, st.epoch_dev, st.ey_slots_dev, st.ey_host, st.ids, X.slot_of_dev,
-                          nt * c_.n_expert_used, c_.n_embd, stream_, X.host_gate.data ? st.gpu_slots : nullptr);
+                          nt * c_.n_expert_used, c_.n_embd, stream_, X.gpu_share() ? st.gpu_slots : nullptr);
       prof_.mark("host experts (GPU waits)", stream_);
     }
     if (layers_[l].moe && !st.ffn_out_combined)
