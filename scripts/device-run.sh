@@ -2,7 +2,7 @@
 # The one script for the GPU machine (device tool): runs the tests there, then the benchmarks, and
 # prints a short table last. Binaries come prebuilt from the dev machine (scripts/device-prepare.sh puts
 # them and the test fixtures into git-ignored folders that the run carries).
-#   scripts/device-run.sh [all|tests|cpu|gpu|gputests|gpubench|profile|ab|ncu|nsys]   (SKIP_CONFIGS names GPU configs to skip)
+#   scripts/device-run.sh [all|tests|cpu|gpu|gputests|gpubench|profile|skip|ab|ncu|nsys]   (SKIP_CONFIGS names GPU configs to skip)
 # profile: where a decode step's GPU time goes, per op (FITMOE_PROFILE=1), all on the GPU and at 8 GiB.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -81,6 +81,27 @@ if [ "$WHAT" = ab ]; then
       done
     done
   done
+fi
+
+# Each kernel's cost on the critical path of an all-GPU decode step (no nsys on the lent machines):
+# decode timed with all the graph nodes of one kernel disabled (FITMOE_SKIP_KERNELS, outputs wrong),
+# against the full step; the difference per layer is what that kernel costs. SKIP_FLAGS adds flags.
+if [ "$WHAT" = skip ]; then
+  [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
+  FLAGS=${SKIP_FLAGS:-}
+  tgs() { "$BIN/fitmoe" bench -m "$MODEL" $FLAGS -p 0 -n 128 -r 3 --json 2>/dev/null |
+          python3 -c "import json,sys; print(round(json.load(sys.stdin)[0]['avg_ts'],2))"; }
+  FITMOE_SKIP_KERNELS=list "$BIN/fitmoe" bench -m "$MODEL" $FLAGS -p 0 -n 2 -r 1 2>&1 | grep '^graph kernel' |
+    sort -u -k4 | sort -k3 -n -r | awk '{print $3, $4}' > "$OUT/kernels.txt"
+  cat "$OUT/kernels.txt"
+  base=$(tgs); echo "full step: $base tok/s"
+  while read -r count name; do
+    t=$(FITMOE_SKIP_KERNELS=$name tgs)
+    line=$(awk -v b="$base" -v t="$t" -v c="$count" -v n="${name:0:70}" \
+           'BEGIN { printf "skip %-70s x%d: %8.2f tok/s, %6.3f ms/token, %6.2f us per launch", n, c, t, 1e3/b-1e3/t, (1e6/b-1e6/t)/c }')
+    echo "$line"; summary+=("$line")
+  done < "$OUT/kernels.txt"
+  base2=$(tgs); summary+=("full step: $base then $base2 tok/s ${FLAGS}")
 fi
 
 # Kernel durations of one decode step from Nsight Compute (where the runtime lets it read the GPU), for

@@ -279,10 +279,20 @@ struct WT<DType::Q6_K> {
     const uint8_t* ql = b + 64 * half + 32 * (g & 1);
     const uint8_t* qh = b + 128 + 32 * half;
     const int shl = 4 * (g >> 1), shh = 2 * g;
+    // Blocks are 210 bytes, so ql and qh sit 2 bytes off a word boundary in every other block: read
+    // the nine aligned words around each and shift (18 loads, not 32 half-word ones: the decode was
+    // bound by load instructions). The ninth word lies inside the block (qh ends at byte 192).
+    const unsigned off = static_cast<unsigned>(reinterpret_cast<uintptr_t>(ql) & 3u);
+    const uint32_t* wl = reinterpret_cast<const uint32_t*>(ql - off);
+    const uint32_t* wh = reinterpret_cast<const uint32_t*>(qh - off);
+    const unsigned sel = off ? 0x5432u : 0x3210u;
+    uint32_t l[9], h[9];
+#pragma unroll
+    for (int i = 0; i < 9; ++i) l[i] = wl[i], h[i] = wh[i];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const uint32_t lo = (static_cast<uint32_t>(ld_i32<2>(ql + 4 * i)) >> shl) & 0x0f0f0f0fu;
-      const uint32_t hi = (static_cast<uint32_t>(ld_i32<2>(qh + 4 * i)) >> shh) & 0x03030303u;
+      const uint32_t lo = (__byte_perm(l[i], l[i + 1], sel) >> shl) & 0x0f0f0f0fu;
+      const uint32_t hi = (__byte_perm(h[i], h[i + 1], sel) >> shh) & 0x03030303u;
       w.q[i] = sub_bytes(lo | (hi << 4), 32);
     }
   }

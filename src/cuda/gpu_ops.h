@@ -190,9 +190,21 @@ struct RoutePublish {
 // most kMaxVecTokens tokens (x: f32 rows of router.cols values; logits [n_tokens][router.rows]); the
 // same bits as matvec + route_topk. `done` is a device counter that starts at 0 and is left at 0 (one
 // per stream of use). Returns false, having done nothing, where it does not apply.
+// With residual.x, the launch also does the attention block's end before the product, as
+// residual_norm(x, y, w -> xn, xq) would (the same bits; x here must be residual.xn): one launch fewer.
+struct RouterResidualArgs {
+  float* x = nullptr;
+  const float* y = nullptr;
+  const float* w = nullptr;
+  float* xn = nullptr;
+  void* xq = nullptr;
+  float eps = 0;
+};
 bool router_topk(const DevMatrix& router, const float* x, int n_tokens, float* logits, int k, int32_t* ids,
                  float* weights, unsigned* done, Stream s,
-                 const RoutePublish& pub = {});
+                 const RoutePublish& pub = {}, const RouterResidualArgs& residual = {});
+// Whether router_topk applies (and, with_residual, can take the residual too).
+bool router_topk_ok(const DevMatrix& router, int n_tokens, bool with_residual);
 // (pub.flag set: the routing is also published as RoutePublish says, by the kernel's last CTA.)
 // The same publication after a routing made otherwise (a launch of one CTA; n_x floats of x).
 void publish_route(const RoutePublish& pub, const int32_t* ids, int n_ids, const float* x, int64_t n_x, Stream s);
