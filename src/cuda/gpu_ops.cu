@@ -257,8 +257,6 @@ struct MvArgs {
   const int32_t* slot_of;
   const int32_t* act_row;
   const uint8_t* w2;       // gated mode: the up matrices (same layout as w); y = silu(w x) * (w2 x)
-  const uint8_t* pf;       // gated mode: the next product's expert stack (down), hinted into L2 meanwhile
-  size_t pf_mat_bytes;
   // Several matrices of one type and width on one input, in one launch (quantized kernel only):
   // segment i has its own weights, rows, output and ld_y, and the CTAs [seg_cta[i], seg_cta[i+1]).
   int n_seg;
@@ -391,15 +389,6 @@ __global__ void __launch_bounds__(kMvWarps * 32) mmvq_kernel(const MvArgs a) {
   float* y;
   if (!mv_slot(a, wm, acts, y)) return;
   const uint8_t* wm2 = GLU ? a.w2 + (wm - a.w) : nullptr;
-  if (GLU && a.pf) {
-    // The chosen experts are known now, so their down matrices can head for L2 while this product
-    // streams gate and up: each CTA of the slot hints its share.
-    const size_t m = static_cast<size_t>((wm - a.w) / a.mat_bytes);
-    const size_t share = (a.pf_mat_bytes + gridDim.x - 1) / gridDim.x, lo = share * blockIdx.x;
-    if (lo < a.pf_mat_bytes)
-      prefetch_l2(a.pf + m * a.pf_mat_bytes + lo, share < a.pf_mat_bytes - lo ? share : a.pf_mat_bytes - lo, threadIdx.x,
-                  blockDim.x);
-  }
   int64_t ld_y = a.ld_y;
   if (sg >= 0) {
     wm = a.seg_w[sg];
@@ -526,10 +515,8 @@ __global__ void __launch_bounds__(kMvWarps * 32) mv_float_kernel(const MvArgs a)
 
 // Float weights with few rows (e.g. a router: 128 rows): one CTA per row, its warps splitting the
 // columns, so that the product spreads over enough of the GPU to reach its memory bandwidth.
-// (prologue, optional: run once the kernel before has finished; returns the activations to use
-// instead of a.acts, e.g. rows it made in shared memory.)
-template <typename E, int NT, bool VEC, class Prologue = std::nullptr_t>
-__device__ __forceinline__ void mv_float_split_body(const MvArgs& a, Prologue prologue = nullptr) {
+template <typename E, int NT, bool VEC>
+__device__ __forceinline__ void mv_float_split_body(const MvArgs& a) {
   __shared__ float part[kMvWarps][NT];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
   const int64_t row = blockIdx.x;
@@ -539,7 +526,6 @@ __device__ __forceinline__ void mv_float_split_body(const MvArgs& a, Prologue pr
   const uint8_t* acts;
   float* y;
   if (!mv_slot(a, wm, acts, y)) return;
-  if constexpr (!std::is_same_v<Prologue, std::nullptr_t>) acts = prologue();
   const int nt = a.n_tokens;
   const int64_t n = a.cols;
   const uint8_t* wr = wm + row * a.row_bytes;
@@ -717,7 +703,7 @@ void with_quant_type(DType t, const char* what, F&& f) {
 
 void launch_matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_t ld_y, const int32_t* ids,
                    const int32_t* slot_of, int n_slots, const int32_t* act_row, cudaStream_t s, const char* what,
-                   const DevMatrix* up = nullptr, const DevMatrix* then = nullptr) {
+                   const DevMatrix* up = nullptr) {
   MvArgs a = mv_args(w, acts, n_tokens, y, ld_y, what);
   a.ids = ids;
   a.slot_of = slot_of;
@@ -728,11 +714,6 @@ void launch_matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y,
         up->n_mats != w.n_mats || is_float_type(w.type) || !ids || n_tokens != 1)
       fail(std::string(what) + ": gate and up must be quantized matrices of one type and shape, in experts mode");
     a.w2 = up->data;
-    if (then) {
-      if (then->n_mats != w.n_mats) fail(std::string(what) + ": the next product's stack has another expert count");
-      a.pf = then->data;
-      a.pf_mat_bytes = then->mat_bytes;
-    }
   }
   const unsigned slots = static_cast<unsigned>(n_slots);
   const bool vec = aligned(w.data, 16) && w.row_bytes % 16 == 0 && (ids == nullptr || w.mat_bytes % 16 == 0) &&
@@ -2573,95 +2554,29 @@ __global__ void publish_route_kernel(const RoutePublish pub, const int32_t* ids,
   publish_route(pub, ids, n_ids, x, n_x);
 }
 
-// One row's residual and norm by a CTA of kMvWarps * 32 = kNormThreads / 2 threads, with the partial
-// sums and the reduction of a kNormThreads CTA (thread tid stands for threads tid and tid + 128 of
-// it): the very bits of residual_norm_kernel<0>. xs: the new row x + y, xn: the normed one.
-__device__ __forceinline__ void residual_norm_half_block(const float* x, const float* y, const float* w, float* xs,
-                                                         float* xn, int n, float eps, double* part) {
-  static_assert(2 * kMvWarps * 32 == kNormThreads, "the router's CTA is half a norm CTA");
-  const int tid = threadIdx.x;
-  double s_lo = 0, s_hi = 0;
-#pragma unroll 4
-  for (int i = tid; i < n; i += kNormThreads) {
-    const float lo = __fadd_rn(x[i], y[i]);
-    xs[i] = lo;
-    s_lo += static_cast<double>(__fmul_rn(lo, lo));
-    if (i + kNormThreads / 2 < n) {
-      const float hi = __fadd_rn(x[i + kNormThreads / 2], y[i + kNormThreads / 2]);
-      xs[i + kNormThreads / 2] = hi;
-      s_hi += static_cast<double>(__fmul_rn(hi, hi));
-    }
-  }
-  // block_rms_scale of the 256-thread CTA: warps 0-3 hold the low halves, warps 4-7 the high ones.
-  s_lo = warp_sum(s_lo);
-  s_hi = warp_sum(s_hi);
-  if ((tid & 31) == 0) part[tid >> 5] = s_lo, part[(tid >> 5) + kMvWarps] = s_hi;
-  __syncthreads();
-  if (tid < 32) {
-    double t = tid < kNormThreads / 32 ? part[tid] : 0.0;
-    t = warp_sum(t);
-    if (tid == 0) part[0] = t;
-  }
-  __syncthreads();
-  const double sum = part[0];
-  const float ms = static_cast<float>(__dadd_rn(__ddiv_rn(sum, static_cast<double>(n)), static_cast<double>(eps)));
-  const float scale = __fdiv_rn(1.0f, __fsqrt_rn(ms));
-  for (int i = tid; i < n; i += kNormThreads / 2) xn[i] = __fmul_rn(__fmul_rn(xs[i], scale), w[i]);
-}
-
 // The router's product (F32 weights, one CTA per expert row as mv_float_split_kernel) with the
 // routing fused: the last CTA to finish (counted in *done, which it resets) routes every token,
 // a warp per token, exactly as route_topk_kernel.
-// With res.x (gpu::router_topk's residual), the kernel also ends the attention block (one launch fewer per layer): every CTA makes
-// x + y and its norm in shared memory (two rows of n floats per token) and multiplies from there;
-// the last CTA, once every CTA has read x, writes x, xn and xq.
 template <int NT, bool VEC>
 __global__ void __launch_bounds__(kMvWarps * 32) router_topk_kernel(const MvArgs a, int k, int32_t* __restrict__ ids,
                                                                     float* __restrict__ weights, unsigned* done,
-                                                                    const RoutePublish pub, const RouterResidualArgs res) {
-  extern __shared__ __align__(16) float rows[];  // res.x: [n_tokens][n] of x + y, then [n_tokens][n] of xn
-  __shared__ double part[32];
+                                                                    const RoutePublish pub) {
+  extern __shared__ float p[];  // [kMvWarps][rows]
   __shared__ bool last;
-  __shared__ int next_block;
-  const int n = static_cast<int>(a.cols), nt = a.n_tokens;
-  float* xs = rows;
-  float* xn = rows + static_cast<size_t>(nt) * n;
-  if (res.x) {
-    mv_float_split_body<float, NT, VEC>(a, [&] {
-      for (int t = 0; t < nt; ++t)
-        residual_norm_half_block(res.x + static_cast<int64_t>(t) * n, res.y + static_cast<int64_t>(t) * n, res.w,
-                                 xs + t * n, xn + t * n, n, res.eps, part);
-      __syncthreads();
-      return reinterpret_cast<const uint8_t*>(xn);
-    });
-  } else {
-    mv_float_split_body<float, NT, VEC>(a);
-  }
+  mv_float_split_body<float, NT, VEC>(a);
   __threadfence();  // this CTA's logits are visible before it is counted
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1, next_block = 0;
+  if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
   __syncthreads();
   if (!last) return;
   __threadfence();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (res.x) {  // every CTA has read x: the new rows can go out (stores: they do not hold up the routing)
-    for (int i = threadIdx.x; i < nt * n; i += blockDim.x) res.x[i] = xs[i], res.xn[i] = xn[i];
-  }
-  for (int t = warp; t < nt; t += kMvWarps) route_topk_warp(a.y, static_cast<int>(a.rows), k, ids, weights, t, nullptr);
+  const int warp = threadIdx.x >> 5;
+  for (int t = warp; t < a.n_tokens; t += kMvWarps)
+    route_topk_warp(a.y, static_cast<int>(a.rows), k, ids, weights, t, p + warp * a.rows);
   if (threadIdx.x == 0) *done = 0;
-  if (res.x && res.xq) {  // Q8_K blocks of xn, taken by whichever warp is free (the routing warps last)
-    const int nb = nt * (n / 256);
-    for (;;) {
-      int b = 0;
-      if (lane == 0) b = atomicAdd(&next_block, 1);
-      b = __shfl_sync(kFull, b, 0);
-      if (b >= nb) break;
-      quantize_q8k_block(xn + 256 * b, static_cast<uint8_t*>(res.xq) + static_cast<size_t>(b) * 292, lane);
-    }
-  }
   if (pub.flag) {
     __syncthreads();  // the choices, written by the routing warps, are visible to the whole CTA
-    publish_route(pub, ids, nt * k, res.x ? xn : reinterpret_cast<const float*>(a.acts), static_cast<int64_t>(nt) * n);
+    publish_route(pub, ids, a.n_tokens * k, reinterpret_cast<const float*>(a.acts), a.n_tokens * a.cols);
   }
 }
 
@@ -2865,12 +2780,11 @@ void matvec_multi(const DevMatrix* const* ws, float* const* ys, const int64_t* l
 }
 
 void matvec_experts_glu(const DevMatrix& gate, const DevMatrix& up, const int32_t* ids, const int32_t* slot_of,
-                        int n_slots, const void* acts, const int32_t* act_row, float* y, int64_t ld_y, Stream s,
-                        const DevMatrix* then) {
+                        int n_slots, const void* acts, const int32_t* act_row, float* y, int64_t ld_y, Stream s) {
   if (n_slots <= 0) return;
   if (n_slots > 65535) fail("matvec_experts_glu: too many slots");
   if (!ids || !act_row) fail("matvec_experts_glu: ids and act_row are required");
-  launch_matvec(gate, acts, 1, y, ld_y, ids, slot_of, n_slots, act_row, cs(s), "matvec_experts_glu", &up, then);
+  launch_matvec(gate, acts, 1, y, ld_y, ids, slot_of, n_slots, act_row, cs(s), "matvec_experts_glu", &up);
 }
 
 void matvec_experts(const DevMatrix& w, const int32_t* ids, const int32_t* slot_of, int n_slots, const void* acts,
@@ -3128,38 +3042,22 @@ void route_topk(const float* logits, int n_tokens, int n_expert, int k, int32_t*
   launched("route_topk");
 }
 
-bool router_topk_ok(const DevMatrix& router, int n_tokens, bool with_residual) {
+bool router_topk(const DevMatrix& router, const float* x, int n_tokens, float* logits, int k, int32_t* ids,
+                 float* weights, unsigned* done, Stream s, const RoutePublish& pub) {
   if (router.type != DType::F32 || router.n_mats != 1 || router.rows > 512 || n_tokens < 1 ||
       n_tokens > kMaxVecTokens)
     return false;
-  // The residual's two rows per token in shared memory, well within the default 48 KiB per CTA.
-  return !with_residual || 2 * static_cast<size_t>(n_tokens) * router.cols * sizeof(float) <= 32 * 1024;
-}
-
-bool router_topk(const DevMatrix& router, const float* x, int n_tokens, float* logits, int k, int32_t* ids,
-                 float* weights, unsigned* done, Stream s, const RoutePublish& pub, const RouterResidualArgs& residual) {
-  const bool fused = residual.x != nullptr;
-  if (!router_topk_ok(router, n_tokens, fused)) {
-    if (fused) fail("router_topk: the residual cannot be fused here (check router_topk_ok first)");
-    return false;
-  }
   if (k <= 0 || k > router.rows || k > 32) fail("router_topk: bad k (at most 32 experts per token)");
-  if (fused && (!residual.y || !residual.w || x != residual.xn))
-    fail("router_topk: the fused residual needs y and norm weights, and writes the router's input xn");
-  if (fused && residual.xq && (router.cols % 256 != 0 || !aligned(residual.xq, 4)))
-    fail("router_topk: the Q8_K copy needs rows a multiple of 256 values and 4-byte alignment");
   const MvArgs a = mv_args(router, x, n_tokens, logits, router.rows, "router_topk");
-  // (Fused, the activations are rows in shared memory: 16-byte aligned, row_bytes apart.)
-  const bool vec = aligned(router.data, 16) && router.row_bytes % 16 == 0 && (fused || aligned(x, 16)) &&
-                   a.act_stride % 16 == 0;
-  const size_t smem = fused ? 2 * static_cast<size_t>(n_tokens) * router.cols * sizeof(float) : 0;
+  const bool vec = aligned(router.data, 16) && router.row_bytes % 16 == 0 && aligned(x, 16) && a.act_stride % 16 == 0;
+  const size_t smem = static_cast<size_t>(kMvWarps) * router.rows * sizeof(float);
   const dim3 grid(static_cast<unsigned>(router.rows));
   const cudaStream_t st = cs(s);
   if (pub.flag && (!pub.ids || !pub.x || !pub.epoch)) fail("router_topk: a publication needs ids, x, flag and epoch");
   if (pub.flag && pub.gpu_share > 0 &&
       (pub.k != k || pub.n_expert != router.rows || !pub.slot_of || !pub.gpu_slots || !pub.host_gpu_slots))
     fail("router_topk: a GPU share needs k, slot_of and both slot tables");
-  auto go = [&](auto kernel) { launch(kernel, grid, kMvWarps * 32, smem, st, a, k, ids, weights, done, pub, residual); };
+  auto go = [&](auto kernel) { launch(kernel, grid, kMvWarps * 32, smem, st, a, k, ids, weights, done, pub); };
   if (n_tokens <= 1) vec ? go(router_topk_kernel<1, true>) : go(router_topk_kernel<1, false>);
   else if (n_tokens <= 2) vec ? go(router_topk_kernel<2, true>) : go(router_topk_kernel<2, false>);
   else if (n_tokens <= 4) vec ? go(router_topk_kernel<4, true>) : go(router_topk_kernel<4, false>);

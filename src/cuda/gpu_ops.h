@@ -92,11 +92,10 @@ void matvec_experts(const DevMatrix& w, const int32_t* ids, const int32_t* slot_
 void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_t* slot_of, int n_tokens, int k,
                             const void* acts, const float* wts, float* y, int64_t ld_y, Stream s);
 // The same for gate and up experts at once (quantized, one type and shape): y = silu(gate x) * (up x),
-// the very bits of two matvec_experts calls and swiglu. `then` (optional): the expert stack the next
-// product reads (down); the chosen experts' matrices of it are hinted into L2 while this one runs.
+// the very bits of two matvec_experts calls and swiglu. (Hinting the chosen down matrices into L2
+// meanwhile was measured slower on the H200: 370 vs 376 tok/s.)
 void matvec_experts_glu(const DevMatrix& gate, const DevMatrix& up, const int32_t* ids, const int32_t* slot_of,
-                        int n_slots, const void* acts, const int32_t* act_row, float* y, int64_t ld_y, Stream s,
-                        const DevMatrix* then = nullptr);
+                        int n_slots, const void* acts, const int32_t* act_row, float* y, int64_t ld_y, Stream s);
 // dst[dst_rows ? dst_rows[i] : i] = src[src_rows ? src_rows[i] : i] for i < n rows of `width` floats.
 // Hybrid decode, the GPU side of the hand-over from the CPU's experts: waits until *host_flag (pinned
 // host memory, device view) equals *epoch (device), then copies the rows j < n_slots of host_rows
@@ -190,21 +189,9 @@ struct RoutePublish {
 // most kMaxVecTokens tokens (x: f32 rows of router.cols values; logits [n_tokens][router.rows]); the
 // same bits as matvec + route_topk. `done` is a device counter that starts at 0 and is left at 0 (one
 // per stream of use). Returns false, having done nothing, where it does not apply.
-// With residual.x, the launch also does the attention block's end before the product, as
-// residual_norm(x, y, w -> xn, xq) would (the same bits; x here must be residual.xn): one launch fewer.
-struct RouterResidualArgs {
-  float* x = nullptr;
-  const float* y = nullptr;
-  const float* w = nullptr;
-  float* xn = nullptr;
-  void* xq = nullptr;
-  float eps = 0;
-};
 bool router_topk(const DevMatrix& router, const float* x, int n_tokens, float* logits, int k, int32_t* ids,
                  float* weights, unsigned* done, Stream s,
-                 const RoutePublish& pub = {}, const RouterResidualArgs& residual = {});
-// Whether router_topk applies (and, with_residual, can take the residual too).
-bool router_topk_ok(const DevMatrix& router, int n_tokens, bool with_residual);
+                 const RoutePublish& pub = {});
 // (pub.flag set: the routing is also published as RoutePublish says, by the kernel's last CTA.)
 // The same publication after a routing made otherwise (a launch of one CTA; n_x floats of x).
 void publish_route(const RoutePublish& pub, const int32_t* ids, int n_ids, const float* x, int64_t n_x, Stream s);

@@ -162,7 +162,6 @@ class GpuState final : public ModelState {
   bool att_q_valid = false;
   bool xn_q_valid = false;
   bool ffn_out_combined = false;  // this layer's MoE output is already combined in y (not per slot in ey)
-  bool residual_in_router = false;  // the attention block's end (x += y, xn) is left to the router's launch
   size_t acts_bytes = 0, dequant_bytes = 0, attn_scratch_bytes = 0, stage_bytes = 0;
   // Pinned host exchange buffers.
   float *h_x = nullptr, *h_xn = nullptr, *h_wts = nullptr, *h_ey = nullptr, *h_out = nullptr;
@@ -648,17 +647,11 @@ class Qwen3Gpu final : public GpuRunner {
     linear(st, pool, G.wo, st.att, nt, st.y, E);
     st.att_q_valid = false;
     prof_.mark("attn output", stream_);
-    // Decode with the routing on the GPU: the router's launch adds y and norms first (one launch fewer).
-    st.residual_in_router = G.moe && nt <= gpu::kMaxVecTokens && G.router.on_gpu() &&
-                            gpu::router_topk_ok(G.router.dev, nt, true);
-    if (st.residual_in_router) return;
+    const GWeight& next = G.moe ? GWeight{G.experts.gate, nullptr} : G.ffn_gate;
     gpu::residual_norm(st.x, st.y, nullptr, nullptr, 0, G.ffn_norm, st.xn, E, nt, c.rms_eps, stream_, nullptr, nullptr,
-                       nullptr, xn_q_for(st, ffn_input_weight(G), nt));
+                       nullptr, xn_q_for(st, next, nt));
     prof_.mark("residual + ffn norm", stream_);
   }
-
-  // The first GPU product of the FFN block's input (the one whose activation format xn may come in).
-  static GWeight ffn_input_weight(const GLayer& G) { return G.moe ? GWeight{G.experts.gate, nullptr} : G.ffn_gate; }
 
   // xn = attn_norm of layer 0 (x); later layers get theirs from the previous ffn_finish.
   void input_norm(GpuState& st, int nt) {
@@ -694,14 +687,9 @@ class Qwen3Gpu final : public GpuRunner {
       pub.slot_of = X.slot_of_dev;
       pub.gpu_share = share ? static_cast<float>(plan_.host_experts_gpu_share) : 0.0f;
     }
-    gpu::RouterResidualArgs residual;
-    if (st.residual_in_router) {
-      residual = {st.x, st.y, G.ffn_norm, st.xn, xn_q_for(st, ffn_input_weight(G), nt), c.rms_eps};
-      st.residual_in_router = false;
-    }
-    if (G.router.on_gpu() && gpu::router_topk(G.router.dev, st.xn, nt, st.rlogits, k, st.ids, st.wts, st.route_done,
-                                              stream_, pub, residual)) {
-      prof_.mark(residual.x ? "residual + ffn norm + router + top-k" : "router + top-k", stream_);
+    if (G.router.on_gpu() &&
+        gpu::router_topk(G.router.dev, st.xn, nt, st.rlogits, k, st.ids, st.wts, st.route_done, stream_, pub)) {
+      prof_.mark("router + top-k", stream_);
     } else {
       linear(st, pool, G.router, st.xn, nt, st.rlogits, c.n_expert);
       prof_.mark("router", stream_);
@@ -716,8 +704,7 @@ class Qwen3Gpu final : public GpuRunner {
     const void* acts = vec_acts(st, gate.type, st.xn, nt, E);
     if (X.n_dev > 0) {
       if (X.gate.type == X.up.type && !is_float_type(X.gate.type)) {
-        gpu::matvec_experts_glu(X.gate, X.up, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.g, ff, stream_,
-                                &X.down);
+        gpu::matvec_experts_glu(X.gate, X.up, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.g, ff, stream_);
       } else {
         gpu::matvec_experts(X.gate, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.g, ff, stream_);
         const void* acts_up = dtype_info(X.up.type).act_type != dtype_info(X.gate.type).act_type
