@@ -1,6 +1,7 @@
 #include "cuda/device.h"
 
 #include <cuda_runtime.h>
+#include <sys/mman.h>
 
 #include <chrono>
 #include <cstdio>
@@ -273,6 +274,46 @@ void* alloc_pinned(size_t n) {
   return p;
 }
 void free_pinned(void* p) { cudaFreeHost(p); }
+
+namespace {
+std::mutex g_huge_mu;
+std::map<void*, size_t> g_huge;  // alloc_pinned_huge's mappings and their sizes
+}  // namespace
+void* alloc_pinned_huge(size_t n) {
+  constexpr size_t kHuge = 2u << 20;
+  const size_t bytes = (n + kHuge - 1) / kHuge * kHuge;
+  void* raw = mmap(nullptr, bytes + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) return alloc_pinned(n);
+  // 2 MiB aligned, the slack given back, huge pages asked for before the first touch (the pinning
+  // below faults every page in).
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(raw) + kHuge - 1) & ~(kHuge - 1);
+  const size_t head = a - reinterpret_cast<uintptr_t>(raw);
+  if (head) munmap(raw, head);
+  if (kHuge - head) munmap(reinterpret_cast<uint8_t*>(a) + bytes, kHuge - head);
+  void* p = reinterpret_cast<void*>(a);
+  madvise(p, bytes, MADV_HUGEPAGE);
+  if (cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped) != cudaSuccess) {
+    cudaGetLastError();
+    munmap(p, bytes);
+    return alloc_pinned(n);
+  }
+  std::lock_guard<std::mutex> lock(g_huge_mu);
+  g_huge[p] = bytes;
+  return p;
+}
+void free_pinned_huge(void* p) {
+  size_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(g_huge_mu);
+    auto it = g_huge.find(p);
+    if (it == g_huge.end()) return free_pinned(p);  // (alloc_pinned_huge fell back to cudaMallocHost)
+    bytes = it->second;
+    g_huge.erase(it);
+  }
+  cudaHostUnregister(p);
+  cudaGetLastError();
+  munmap(p, bytes);
+}
 void* device_view(void* pinned) {
   void* d = nullptr;
   check(cudaHostGetDevicePointer(&d, pinned, 0), "cudaHostGetDevicePointer");

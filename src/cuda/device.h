@@ -71,6 +71,11 @@ void pin_host(const void* p, size_t bytes);
 void unpin_host(const void* p);
 void* alloc_pinned(size_t bytes);  // cudaMallocHost
 void free_pinned(void* p);
+// Page-locked memory in 2 MiB pages where the kernel gives them (transparent huge pages): for the
+// weights, which the CPU streams when it computes host-resident experts (4 KiB pages stop the
+// hardware prefetchers at every page and miss the TLB every 4 KiB). Falls back to alloc_pinned.
+void* alloc_pinned_huge(size_t bytes);
+void free_pinned_huge(void* p);
 // The address kernels use for pinned host memory (they read it over the bus; the same address under
 // unified addressing).
 void* device_view(void* pinned);

@@ -74,7 +74,7 @@ std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
     // GPU runs read the weights from page-locked memory: expert uploads during prefill then run at
     // PCIe speed (pageable memory is about 10x slower), and the CPU computes the host-resident experts
     // from the same bytes.
-    file->load_into_memory(progress, gpu::alloc_pinned, gpu::free_pinned);
+    file->load_into_memory(progress, gpu::alloc_pinned_huge, gpu::free_pinned_huge);
     loaded = true;
   }
 #endif

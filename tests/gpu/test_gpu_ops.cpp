@@ -841,6 +841,28 @@ TEST_F(GpuOps, QkNormRopeStoreEqualsTheUnfusedOps) {
       }
 }
 
+// The weights' page-locked memory in huge pages: uploads and the GPU's reads over the bus (device_view)
+// see what the host wrote, and a size that is not a multiple of the page works.
+TEST_F(GpuOps, HugePinnedMemoryUploadsAndMaps) {
+  const size_t n = (5u << 20) + 12;
+  auto* h = static_cast<uint8_t*>(alloc_pinned_huge(n));
+  ASSERT_NE(h, nullptr);
+  for (size_t i = 0; i < n; ++i) h[i] = static_cast<uint8_t>(i * 131 + 7);
+  Dev d(n);
+  copy_h2d(d.as(), h, n, s());
+  sync();
+  auto got = d.down<uint8_t>(n);
+  for (size_t i = 0; i < n; i += 4099) ASSERT_EQ(got[i], h[i]) << "uploaded byte " << i;
+  ASSERT_EQ(got[n - 1], h[n - 1]);
+  // Through the mapping: a device-to-device copy from the device view reads the host's bytes.
+  Dev d2(n);
+  copy_d2d(d2.as(), device_view(h), n, s());
+  sync();
+  auto got2 = d2.down<uint8_t>(n);
+  for (size_t i = 0; i < n; i += 4099) ASSERT_EQ(got2[i], h[i]) << "mapped byte " << i;
+  free_pinned_huge(h);
+}
+
 TEST_F(GpuOps, CopyRows) {
   const int width = 300, n_src = 6;
   const int64_t ld_src = 320, ld_dst = 310;
