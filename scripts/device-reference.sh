@@ -34,6 +34,8 @@ echo "== fitmoe, all on the GPU"
 "$BIN/fitmoe" bench -m "$MODEL" -p 512,2048 -n 128 -r 3 2>/dev/null
 echo "== fitmoe, --vram 8G"
 "$BIN/fitmoe" bench -m "$MODEL" --vram 8G -p 512,2048 -n 128 -r 3 2>/dev/null
+# REF_QUICK=1: only the comparisons above (when device time is short).
+[ -n "${REF_QUICK:-}" ] && exit 0
 echo "== fitmoe, --vram 8G with the CPU computing every host expert (no GPU share)"
 "$BIN/fitmoe" bench -m "$MODEL" --vram 8G --host-experts-gpu-share 0 -p 0 -n 128 -r 3 2>/dev/null
 echo "== fitmoe, the reference's placement (36/48 layers' experts on the host)"
