@@ -13,7 +13,7 @@ void register_gen_model(CLI::App& app) {
   auto out = std::make_shared<std::string>();
   auto threads = std::make_shared<int>(0);
   cmd->add_option("--arch", spec->arch, "architecture: qwen3moe or qwen3");
-  cmd->add_option("--preset", spec->preset, "shape: qwen3moe 30b-a3b|tiny, qwen3 0.6b|tiny");
+  cmd->add_option("--preset", spec->preset, "shape: qwen3moe 30b-a3b|tiny|tiny-wide, qwen3 0.6b|tiny");
   cmd->add_option("--type", spec->type, "type mix: q4_k_m, q6_k, q8_0, q4_0, f16, bf16, f32");
   cmd->add_option("--layers", spec->layers, "keep only the first N layers (full width)")->check(CLI::NonNegativeNumber);
   auto skew = std::make_shared<std::string>();

@@ -31,7 +31,9 @@ const std::map<std::string, std::map<std::string, Shape>>& presets() {
   static const std::map<std::string, std::map<std::string, Shape>> p = {
       {"qwen3moe",
        {{"30b-a3b", {48, 2048, 32, 4, 128, 151936, 40960, 6144, 128, 8, 768, 1e6f, false}},
-        {"tiny", {2, 256, 8, 2, 32, 1024, 4096, 768, 8, 2, 256, 1e6f, false}}}},
+        {"tiny", {2, 256, 8, 2, 32, 1024, 4096, 768, 8, 2, 256, 1e6f, false}},
+        // Many small experts: a short micro-batch leaves most of them unused (tests of prefill uploads).
+        {"tiny-wide", {2, 256, 8, 2, 32, 1024, 4096, 768, 64, 2, 256, 1e6f, false}}}},
       {"qwen3",
        {{"0.6b", {28, 1024, 16, 8, 128, 151936, 40960, 3072, 0, 0, 0, 1e6f, true}},
         {"tiny", {2, 256, 4, 2, 32, 1024, 4096, 256, 0, 0, 0, 1e6f, false}}}},

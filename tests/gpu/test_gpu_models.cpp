@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 
 #include "cuda/device.h"
@@ -14,6 +15,8 @@
 #include "runtime/error.h"
 #include "runtime/machine.h"
 #include "runtime/session.h"
+#include "runtime/thread_pool.h"
+#include "model/synthetic.h"
 
 using namespace fitmoe;
 
@@ -199,6 +202,47 @@ TEST(GpuDecode, DependentLaunchGivesTheSameBits) {
       }
     }
   }
+}
+
+// Prefill copies that wait for a layer's routing carry only the experts the micro-batch uses. The
+// fixtures' model has 4 experts, all of them used by any micro-batch; a synthetic one with 64 experts
+// (2 per token) leaves most of them unused by a 12-token micro-batch, so the upload ring then holds
+// gaps (or a previous chunk's experts) where the unused ones would be, which the grouped products must
+// never read. Every streamed layer waits for its routing here; the logits of all 12 positions agree
+// with every expert on the GPU (the same grouped kernels on the same slots).
+TEST(GpuPrefill, UploadsOfOnlyTheUsedExpertsGiveTheSameLogits) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  const std::string path = ::testing::TempDir() + "/fitmoe-qwen3moe-tiny-wide-q4_k_m.gguf";
+  {
+    ThreadPool pool(2);
+    SyntheticSpec spec;
+    spec.preset = "tiny-wide";
+    spec.seed = 7;
+    write_synthetic_model(spec, path, pool);
+  }
+  std::vector<int32_t> prompt(12);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((i * 389 + 5) % 1024);
+  auto run = [&](const std::string& mode) {
+    auto model = load_gpu(path, mode);
+    SessionOptions so;
+    so.n_threads = 2;
+    so.n_ctx = 512;
+    Session s(*model, so);
+    return s.eval(prompt, static_cast<int>(prompt.size()));
+  };
+  const std::vector<float> all = run("gpu"), streamed = run("cpu_moe/upload/wait"),
+                           chunk1 = run("cpu_moe/upload/chunk1/wait");
+  ASSERT_EQ(all.size(), streamed.size());
+  ASSERT_EQ(all.size(), chunk1.size());
+  float scale = 0;
+  for (float v : all) scale = std::max(scale, std::fabs(v));
+  ASSERT_GT(scale, 0.0f);
+  for (size_t i = 0; i < all.size(); ++i) {
+    ASSERT_FALSE(std::isnan(streamed[i]) || std::isnan(chunk1[i])) << "logit " << i;
+    ASSERT_LE(std::fabs(streamed[i] - all[i]), 1e-4f * scale) << "streamed, logit " << i;
+    ASSERT_LE(std::fabs(chunk1[i] - all[i]), 1e-4f * scale) << "one expert per chunk, logit " << i;
+  }
+  std::remove(path.c_str());
 }
 
 TEST(GpuPlan, BudgetTooSmallIsAClearErrorBeforeLoading) {
