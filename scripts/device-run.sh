@@ -88,15 +88,22 @@ fi
 # against the full step; the difference per layer is what that kernel costs. SKIP_FLAGS adds flags.
 if [ "$WHAT" = skip ]; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
-  FLAGS=${SKIP_FLAGS:-}
-  tgs() { "$BIN/fitmoe" bench -m "$MODEL" $FLAGS -p 0 -n 128 -r 3 --json 2>/dev/null |
-          python3 -c "import json,sys; print(round(json.load(sys.stdin)[0]['avg_ts'],2))"; }
-  FITMOE_SKIP_KERNELS=list "$BIN/fitmoe" bench -m "$MODEL" $FLAGS -p 0 -n 2 -r 1 2>&1 | grep '^graph kernel' |
-    sort -u -k4 | sort -k3 -n -r | awk '{print $3, $4}' > "$OUT/kernels.txt"
+  FLAGS=${SKIP_FLAGS:-}          # e.g. "--vram 8G": the hybrid step (never skip the router there: the CPU waits for it)
+  ARGS=${SKIP_ARGS:--p 0 -n 128 -r 3}
+  tgs() { FITMOE_HOST_PROFILE=1 timeout 120 "$BIN/fitmoe" bench -m "$MODEL" $FLAGS $ARGS 2>"$OUT/skip.err" |
+          grep tg | tail -n 1 | awk -F'|' '{print $8}' | awk '{print $1}';
+          grep -o 'per layer [0-9.]* us waiting' "$OUT/skip.err" | sed 's/per layer/  (hybrid: per layer/; s/$/)/' >&2; }
+  if [ -n "${SKIP_NAMES:-}" ]; then  # given names (substrings of the kernels' mangled names), one run each
+    for n in $SKIP_NAMES; do echo "1 $n"; done > "$OUT/kernels.txt"
+  else
+    FITMOE_SKIP_KERNELS=list "$BIN/fitmoe" bench -m "$MODEL" $FLAGS -p 0 -n 2 -r 1 2>&1 | grep '^graph kernel' |
+      sort -u -k4 | sort -k3 -n -r | awk '{print $3, $4}' > "$OUT/kernels.txt"
+  fi
   cat "$OUT/kernels.txt"
   base=$(tgs); echo "full step: $base tok/s"
   while read -r count name; do
     t=$(FITMOE_SKIP_KERNELS=$name tgs)
+    [ -n "$t" ] || { echo "skip $name: no result"; continue; }
     line=$(awk -v b="$base" -v t="$t" -v c="$count" -v n="${name:0:70}" \
            'BEGIN { printf "skip %-70s x%d: %8.2f tok/s, %6.3f ms/token, %6.2f us per launch", n, c, t, 1e3/b-1e3/t, (1e6/b-1e6/t)/c }')
     echo "$line"; summary+=("$line")
