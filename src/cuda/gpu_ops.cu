@@ -2391,6 +2391,32 @@ bool launch_attention(AttnArgs& a, void* scratch, size_t scratch_bytes, cudaStre
 
 // ================================ routing =========================================================
 
+// The warp's largest (value, index) pair, the lower index on ties, in every lane.
+__device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(kFull, bv, o);
+    const int oi = __shfl_xor_sync(kFull, bi, o);
+    if (ov > bv || (ov == bv && oi < bi)) {
+      bv = ov;
+      bi = oi;
+    }
+  }
+}
+
+// The end of a token's routing: choice j sits in lane j % 32 (my_w, my_i); the chosen weights are
+// summed in choice order (in double) and each lane writes its own choice, renormalised.
+__device__ __forceinline__ void write_renormalised(float my_w, int my_i, int k, int32_t* ti, float* tw) {
+  const int lane = threadIdx.x & 31;
+  double ws = 0.0;
+  for (int j = 0; j < k; ++j) ws += static_cast<double>(__shfl_sync(kFull, my_w, j));
+  const float s = fmaxf(static_cast<float>(ws), 6.103515625e-5f);
+  if (lane < k) {
+    ti[lane] = my_i;
+    tw[lane] = __fdiv_rn(my_w, s);
+  }
+}
+
 // Token t's routing by one warp, for up to 32 * VPL experts: lane l holds experts l, l + 32, ... in
 // registers, so that the logits are loaded all at once and the softmax and the k rounds of the top-k
 // touch no memory (the shared-memory version below, for more experts, is latency-bound: about 4 us).
@@ -2432,27 +2458,13 @@ __device__ void route_topk_warp_regs(const float* logits, int n_expert, int k, i
         bi = lane + 32 * i;
       }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(kFull, bv, o);
-      const int oi = __shfl_xor_sync(kFull, bi, o);
-      if (ov > bv || (ov == bv && oi < bi)) {
-        bv = ov;
-        bi = oi;
-      }
-    }
+    warp_argmax(bv, bi);
     if ((j & 31) == lane) my_w = bv, my_i = bi;
 #pragma unroll
     for (int i = 0; i < VPL; ++i)
       if (lane + 32 * i == bi) p[i] = -2.0f;  // taken (NaN logits leave bi out of range: nothing taken)
   }
-  double ws = 0.0;
-  for (int j = 0; j < k; ++j) ws += static_cast<double>(__shfl_sync(kFull, my_w, j));
-  const float s = fmaxf(static_cast<float>(ws), 6.103515625e-5f);
-  if (lane < k) {
-    ids[static_cast<int64_t>(t) * k + lane] = my_i;
-    weights[static_cast<int64_t>(t) * k + lane] = __fdiv_rn(my_w, s);
-  }
+  write_renormalised(my_w, my_i, k, ids + static_cast<int64_t>(t) * k, weights + static_cast<int64_t>(t) * k);
 }
 
 // Token t's routing by one warp (p: n_expert floats of shared memory, used beyond 512 experts). The
@@ -2489,27 +2501,12 @@ __device__ void route_topk_warp(const float* logits, int n_expert, int k, int32_
         bi = e;
       }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(kFull, bv, o);
-      const int oi = __shfl_xor_sync(kFull, bi, o);
-      if (ov > bv || (ov == bv && oi < bi)) {
-        bv = ov;
-        bi = oi;
-      }
-    }
+    warp_argmax(bv, bi);
     if ((j & 31) == lane) my_w = bv, my_i = bi;  // choice j stays in a register of lane j % 32
     if (lane == 0 && bi < n_expert) p[bi] = -2.0f;  // taken (NaN logits leave bi out of range)
     __syncwarp();
   }
-  // Renormalise: the chosen weights summed in choice order (in double), then each lane writes its own.
-  double ws = 0.0;
-  for (int j = 0; j < k; ++j) ws += static_cast<double>(__shfl_sync(kFull, my_w, j));
-  const float s = fmaxf(static_cast<float>(ws), 6.103515625e-5f);
-  if (lane < k) {
-    ti[lane] = my_i;
-    tw[lane] = __fdiv_rn(my_w, s);
-  }
+  write_renormalised(my_w, my_i, k, ti, tw);
 }
 
 __global__ void route_topk_kernel(const float* __restrict__ logits, int n_expert, int k, int32_t* __restrict__ ids,

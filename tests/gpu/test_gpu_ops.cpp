@@ -897,6 +897,21 @@ TEST_F(GpuOps, CopyRows) {
 
 // ================================ routing =========================================================
 
+// GPU routing (ids, weights: [nt][k]) against cpu::route_softmax_topk on the same logits: the same
+// choices, the weights within 1e-6.
+void expect_routing_as_cpu(const std::vector<float>& logits, int nt, int n_expert, int k,
+                           const std::vector<int32_t>& ids, const std::vector<float>& w) {
+  std::vector<int32_t> rid(k);
+  std::vector<float> rw(k);
+  for (int t = 0; t < nt; ++t) {
+    cpu::route_softmax_topk(logits.data() + static_cast<size_t>(t) * n_expert, n_expert, k, true, rid.data(), rw.data());
+    for (int j = 0; j < k; ++j) {
+      ASSERT_EQ(ids[t * k + j], rid[j]) << "token " << t << " slot " << j;
+      ASSERT_LE(std::fabs(w[t * k + j] - rw[j]), 1e-6 * std::fabs(rw[j]) + 1e-30) << "token " << t << " slot " << j;
+    }
+  }
+}
+
 // The routing alone for expert counts on each side of the register kernels' sizes (128, 256, 512 per
 // warp) and beyond them (shared memory), against the CPU's.
 TEST_F(GpuOps, RouteTopkEveryExpertCount) {
@@ -910,17 +925,8 @@ TEST_F(GpuOps, RouteTopkEveryExpertCount) {
       Dev d_ids(static_cast<size_t>(nt) * k * 4), d_w(static_cast<size_t>(nt) * k * 4);
       route_topk(dl->as<float>(), nt, n_expert, k, d_ids.as<int32_t>(), d_w.as<float>(), s());
       sync();
-      auto ids = d_ids.down<int32_t>(static_cast<size_t>(nt) * k);
-      auto w = d_w.down<float>(static_cast<size_t>(nt) * k);
-      for (int t = 0; t < nt; ++t) {
-        std::vector<int32_t> rid(k);
-        std::vector<float> rw(k);
-        cpu::route_softmax_topk(logits.data() + t * n_expert, n_expert, k, true, rid.data(), rw.data());
-        for (int j = 0; j < k; ++j) {
-          ASSERT_EQ(ids[t * k + j], rid[j]) << "token " << t << " slot " << j;
-          ASSERT_LE(std::fabs(w[t * k + j] - rw[j]), 1e-6 * std::fabs(rw[j]) + 1e-30) << "token " << t << " slot " << j;
-        }
-      }
+      expect_routing_as_cpu(logits, nt, n_expert, k, d_ids.down<int32_t>(static_cast<size_t>(nt) * k),
+                            d_w.down<float>(static_cast<size_t>(nt) * k));
     }
   }
 }
@@ -935,17 +941,8 @@ TEST_F(GpuOps, RouteTopkAndCombine) {
   Dev d_ids(static_cast<size_t>(nt) * k * 4), d_w(static_cast<size_t>(nt) * k * 4);
   route_topk(dl->as<float>(), nt, n_expert, k, d_ids.as<int32_t>(), d_w.as<float>(), s());
   sync();
-  auto ids = d_ids.down<int32_t>(static_cast<size_t>(nt) * k);
-  auto w = d_w.down<float>(static_cast<size_t>(nt) * k);
-  for (int t = 0; t < nt; ++t) {
-    int32_t rid[k];
-    float rw[k];
-    cpu::route_softmax_topk(logits.data() + t * n_expert, n_expert, k, true, rid, rw);
-    for (int j = 0; j < k; ++j) {
-      EXPECT_EQ(ids[t * k + j], rid[j]) << "token " << t << " slot " << j;
-      EXPECT_LE(std::fabs(w[t * k + j] - rw[j]), 1e-6 * std::fabs(rw[j]) + 1e-30) << "token " << t << " slot " << j;
-    }
-  }
+  const auto w = d_w.down<float>(static_cast<size_t>(nt) * k);
+  expect_routing_as_cpu(logits, nt, n_expert, k, d_ids.down<int32_t>(static_cast<size_t>(nt) * k), w);
 
   // combine: out[t] = sum_j w[t][j] * y[t*k + j], in j order
   const int n = 1000;
