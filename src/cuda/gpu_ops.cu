@@ -991,15 +991,13 @@ __global__ void rms_norm_kernel(const float* x, const float* __restrict__ w, flo
 }
 
 // The end of a block, fused: x += y (or x += the routed experts' combination of ey with wts, as
-// moe_combine_kernel; with ey_host, the rows of slots whose expert is host-resident, slot_of[ids[j]] < 0,
-// come from ey_host), then xn = rms_norm(x) * w when xn is given, and xn in Q8_K when xq is given (the
-// next mat-vec's input, as quant_q8k_kernel makes it). One CTA of kNormThreads per row.
+// moe_combine_kernel; or neither: x as it is), then xn = rms_norm(x) * w when xn is given, and xn in
+// Q8_K when xq is given (the next mat-vec's input, as quant_q8k_kernel makes it). One CTA of
+// kNormThreads per row.
 template <int MAXK>
 __global__ void residual_norm_kernel(float* x, const float* __restrict__ y, const float* __restrict__ ey,
-                                     const float* __restrict__ wts, int k, const float* __restrict__ ey_host,
-                                     const int32_t* __restrict__ ids, const int32_t* __restrict__ slot_of,
-                                     const float* __restrict__ w, float* __restrict__ xn, uint8_t* __restrict__ xq,
-                                     int n, float eps) {
+                                     const float* __restrict__ wts, int k, const float* __restrict__ w,
+                                     float* __restrict__ xn, uint8_t* __restrict__ xq, int n, float eps) {
   __shared__ double part[32];
   __shared__ const float* src[MAXK > 0 ? MAXK : 1];  // the experts' output rows of this token
   __shared__ float wt[MAXK > 0 ? MAXK : 1];
@@ -1016,11 +1014,9 @@ __global__ void residual_norm_kernel(float* x, const float* __restrict__ y, cons
   }
   pdl_enter();  // (the norm weights above are never written)
   if constexpr (MAXK > 0) {
-    // The row of each slot, looked up once (ids -> slot_of -> source) rather than per element; without
-    // host rows slot j's row is simply row j of ey.
-    if (tid < k) {
+    if (tid < k) {  // the row of each slot (slot j's row is row j of ey)
       const int64_t j = static_cast<int64_t>(r) * k + tid;
-      src[tid] = (ey_host && slot_of[ids[j]] < 0 ? ey_host : ey) + j * n;
+      src[tid] = ey + j * n;
       wt[tid] = wts[j];
     }
     __syncthreads();
@@ -1043,15 +1039,17 @@ __global__ void residual_norm_kernel(float* x, const float* __restrict__ y, cons
         for (int j = 1; j < MAXK; ++j)
           if (j < k) o[u] = __fadd_rn(o[u], __fmul_rn(v[j], wt[j]));
       } else {
-        o[u] = in ? y[static_cast<int64_t>(r) * n + i] : 0.0f;
+        o[u] = in && y ? y[static_cast<int64_t>(r) * n + i] : 0.0f;
       }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int i = i0 + u * nth;
       if (i < n) {
-        const float v = __fadd_rn(xv[u], o[u]);
-        xr[i] = v;
+        // (Neither y nor ey: x stays as it is, the sign of a zero included, and is only normed.)
+        const bool add = MAXK > 0 || y;
+        const float v = add ? __fadd_rn(xv[u], o[u]) : xv[u];
+        if (add) xr[i] = v;
         s += static_cast<double>(__fmul_rn(v, v));
 #pragma unroll
         for (int q = 0; q < kKeep; ++q)
@@ -1131,41 +1129,55 @@ __global__ void rope_neox_kernel(float* x, int n_heads, int head_dim, int64_t ld
   }
 }
 
-// Waits until the host has published this step's rows (*flag == *epoch: the host stores the flag after
-// the rows, both in pinned memory), then copies the rows of the slots whose expert is host-resident
-// (slot_of[ids[j]] < 0) from host memory into dst. One CTA per (4096-byte piece, slot); each CTA's
-// thread 0 polls. A host that never publishes (a bug) ends in a trap after 30 s, so the error surfaces
-// at the next CUDA call instead of a hang.
-__global__ void wait_host_rows_kernel(const unsigned* flag, const unsigned* epoch, const float* src, float* dst,
-                                      const int32_t* ids, const int32_t* slot_of, int width,
-                                      const int32_t* gpu_slots) {
+// Hybrid decode, the hand-over from the CPU's experts with their combination and the residual, spread
+// over the row (CTAs over column pieces, grid.y = token): thread 0 of each CTA waits for the host's
+// flag; then x[t][i] += sum_j wts[t*k+j] * row_j[i], added in slot order exactly as
+// residual_norm_kernel does (so the same bits), row_j read from ey (a device-resident expert), ey_host
+// (a slot the GPU computed from pinned weights) or straight from the pinned host rows (the CPU's).
+template <int MAXK>
+__global__ void handover_combine_kernel(const unsigned* flag, const unsigned* epoch, const float* host_rows,
+                                        const float* __restrict__ ey, const float* __restrict__ ey_host,
+                                        const int32_t* __restrict__ ids, const int32_t* __restrict__ slot_of,
+                                        int n_expert, const int32_t* __restrict__ gpu_slots,
+                                        const float* __restrict__ wts, int k, float* __restrict__ x, int width) {
   pdl_enter();
-  __shared__ bool host;
-  const int j = blockIdx.y;
-  if (threadIdx.x == 0) {
+  __shared__ const float* src[MAXK];
+  __shared__ bool pinned[MAXK];
+  __shared__ float wt[MAXK];
+  const int t = blockIdx.y, tid = threadIdx.x;
+  if (tid == 0) {
     const unsigned want = *epoch;
-    unsigned seen;
     uint64_t t0, now;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    for (;;) {
-      seen = load_acquire_sys(flag);
-      if (seen == want) break;
+    while (load_acquire_sys(flag) != want) {
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
       if (now - t0 > 30ull * 1000000000ull) __trap();  // 30 s (the host sets flags even when it fails)
-      poll_pause(500);
+      poll_pause(100);
     }
-    host = slot_of[ids[j]] < 0 && !(gpu_slots && gpu_slots[j] >= 0);
   }
-  __syncthreads();
-  if (!host) return;
-  const int64_t i0 = static_cast<int64_t>(blockIdx.x) * blockDim.x * 4 + threadIdx.x * 4;
-  const float* s = src + static_cast<int64_t>(j) * width;
-  float* d = dst + static_cast<int64_t>(j) * width;
-  if (i0 + 4 <= width && width % 4 == 0) {
-    *reinterpret_cast<float4*>(d + i0) = __ldcv(reinterpret_cast<const float4*>(s + i0));
-  } else {
-    for (int64_t i = i0; i < i0 + 4 && i < width; ++i) d[i] = __ldcv(s + i);
+  if (tid < k) {
+    const int64_t j = static_cast<int64_t>(t) * k + tid;
+    const int32_t e = ids[j];
+    // (A choice out of range, from NaN logits, reads its device row: the host rejects it anyway.)
+    const bool host = e >= 0 && e < n_expert && slot_of[e] < 0;
+    const bool by_gpu = host && gpu_slots && gpu_slots[j] >= 0;
+    src[tid] = (!host ? ey : by_gpu ? ey_host : host_rows) + j * width;
+    pinned[tid] = host && !by_gpu;
+    wt[tid] = wts[j];
   }
+  __syncthreads();  // (after thread 0's acquire of the flag: the host's rows are visible to the CTA)
+  const int i = blockIdx.x * blockDim.x + tid;
+  if (i >= width) return;
+  float v[MAXK];
+#pragma unroll
+  for (int j = 0; j < MAXK; ++j)
+    v[j] = j < k ? (pinned[j] ? __ldcv(src[j] + i) : src[j][i]) : 0.0f;
+  float o = __fmul_rn(v[0], wt[0]);
+#pragma unroll
+  for (int j = 1; j < MAXK; ++j)
+    if (j < k) o = __fadd_rn(o, __fmul_rn(v[j], wt[j]));
+  float* xr = x + static_cast<int64_t>(t) * width + i;
+  *xr = __fadd_rn(*xr, o);
 }
 
 __global__ void copy_rows_kernel(const float* __restrict__ src, int64_t ld_src, const int32_t* __restrict__ src_rows,
@@ -2637,19 +2649,18 @@ void rms_norm(const float* x, const float* w, float* y, int n, int rows, float e
 }
 
 void residual_norm(float* x, const float* y, const float* ey, const float* wts, int k, const float* w, float* xn,
-                   int n, int rows, float eps, Stream s, const float* ey_host, const int32_t* ids,
-                   const int32_t* slot_of, void* xq) {
+                   int n, int rows, float eps, Stream s, void* xq) {
   if (rows <= 0 || n <= 0) return;
-  if ((y == nullptr) == (ey == nullptr)) fail("residual_norm: give exactly one of y and ey");
+  if (y && ey) fail("residual_norm: give at most one of y and ey");
+  if (!y && !ey && !xn) fail("residual_norm: nothing to do");
   if (ey && (!wts || k <= 0)) fail("residual_norm: the experts' combination needs weights and k > 0");
-  if (ey_host && (!ey || !ids || !slot_of)) fail("residual_norm: host rows need ey, ids and slot_of");
   if (xq && (!xn || n % 256 != 0 || !aligned(xq, 4)))
     fail("residual_norm: the Q8_K copy needs xn, rows a multiple of 256 values and 4-byte alignment");
   const cudaStream_t st = cs(s);
   uint8_t* q = static_cast<uint8_t*>(xq);
-  if (!ey) launch(residual_norm_kernel<0>, rows, kNormThreads, 0, st, x, y, ey, wts, k, ey_host, ids, slot_of, w, xn, q, n, eps);
-  else if (k <= 8) launch(residual_norm_kernel<8>, rows, kNormThreads, 0, st, x, y, ey, wts, k, ey_host, ids, slot_of, w, xn, q, n, eps);
-  else if (k <= 32) launch(residual_norm_kernel<32>, rows, kNormThreads, 0, st, x, y, ey, wts, k, ey_host, ids, slot_of, w, xn, q, n, eps);
+  if (!ey) launch(residual_norm_kernel<0>, rows, kNormThreads, 0, st, x, y, ey, wts, k, w, xn, q, n, eps);
+  else if (k <= 8) launch(residual_norm_kernel<8>, rows, kNormThreads, 0, st, x, y, ey, wts, k, w, xn, q, n, eps);
+  else if (k <= 32) launch(residual_norm_kernel<32>, rows, kNormThreads, 0, st, x, y, ey, wts, k, w, xn, q, n, eps);
   else fail("residual_norm: at most 32 experts per token");
   launched("residual_norm");
 }
@@ -2809,15 +2820,22 @@ void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_
   launched("matvec_experts_combine");
 }
 
-void wait_host_rows(const unsigned* host_flag, const unsigned* epoch, const float* host_rows, float* dst,
-                    const int32_t* ids, const int32_t* slot_of, int n_slots, int width, Stream s,
-                    const int32_t* gpu_slots) {
-  if (n_slots <= 0 || width <= 0) return;
-  if (n_slots > 65535) fail("wait_host_rows: too many slots");
-  if (!aligned(host_rows, 16) || !aligned(dst, 16)) fail("wait_host_rows: rows must be 16-byte aligned");
-  const dim3 grid(blocks_for(width, 256 * 4), static_cast<unsigned>(n_slots));
-  launch(wait_host_rows_kernel, grid, 256, 0, cs(s), host_flag, epoch, host_rows, dst, ids, slot_of, width, gpu_slots);
-  launched("wait_host_rows");
+void handover_combine(const unsigned* host_flag, const unsigned* epoch, const float* host_rows, const float* ey,
+                      const float* ey_host, const int32_t* ids, const int32_t* slot_of, int n_expert,
+                      const int32_t* gpu_slots, const float* wts, int k, float* x, int n_tokens, int width, Stream s) {
+  if (n_tokens <= 0 || width <= 0) return;
+  if (n_tokens > 65535) fail("handover_combine: too many tokens");
+  if (k <= 0 || k > 32) fail("handover_combine: at most 32 experts per token");
+  if (gpu_slots && !ey_host) fail("handover_combine: the GPU's share of the host experts needs ey_host");
+  const dim3 grid(blocks_for(width, 256), static_cast<unsigned>(n_tokens));
+  const cudaStream_t st = cs(s);
+  if (k <= 8)
+    launch(handover_combine_kernel<8>, grid, 256, 0, st, host_flag, epoch, host_rows, ey, ey_host, ids, slot_of,
+           n_expert, gpu_slots, wts, k, x, width);
+  else
+    launch(handover_combine_kernel<32>, grid, 256, 0, st, host_flag, epoch, host_rows, ey, ey_host, ids, slot_of,
+           n_expert, gpu_slots, wts, k, x, width);
+  launched("handover_combine");
 }
 
 void copy_rows(const float* src, int64_t ld_src, const int32_t* src_rows, float* dst, int64_t ld_dst,

@@ -50,15 +50,12 @@ void rms_norm(const float* x, const float* w, float* y, int n, int rows, float e
               Stream s);
 // x += y (n values)
 void add(float* x, const float* y, int64_t n, Stream s);
-// The end of a block for `rows` rows of n values: x += y, or (y null) x += moe_combine(ey, wts, k);
-// then, when xn is given, xn = rms_norm(x) * w. The same bits as add / moe_combine + rms_norm.
-// With ey_host, slot j's row comes from ey_host instead of ey when its expert is host-resident
-// (slot_of[ids[j]] < 0): the CPU's outputs arrive there in one copy. With xq, xn is also written as
-// Q8_K rows (the bytes quantize_acts(Q8_K) gives; n a multiple of 256), sparing the next mat-vec's
-// quantization.
+// The end of a block for `rows` rows of n values: x += y, or (y null) x += moe_combine(ey, wts, k), or
+// (both null) x as it is; then, when xn is given, xn = rms_norm(x) * w. The same bits as add /
+// moe_combine + rms_norm. With xq, xn is also written as Q8_K rows (the bytes quantize_acts(Q8_K)
+// gives; n a multiple of 256), sparing the next mat-vec's quantization.
 void residual_norm(float* x, const float* y, const float* ey, const float* wts, int k, const float* w, float* xn,
-                   int n, int rows, float eps, Stream s, const float* ey_host = nullptr, const int32_t* ids = nullptr,
-                   const int32_t* slot_of = nullptr, void* xq = nullptr);
+                   int n, int rows, float eps, Stream s, void* xq = nullptr);
 // out = silu(gate) * up
 void swiglu(const float* gate, const float* up, float* out, int64_t n, Stream s);
 // NeoX RoPE in place for tokens at positions pos[t] (device array), as cpu::rope_neox.
@@ -97,15 +94,19 @@ void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_
 void matvec_experts_glu(const DevMatrix& gate, const DevMatrix& up, const int32_t* ids, const int32_t* slot_of,
                         int n_slots, const void* acts, const int32_t* act_row, float* y, int64_t ld_y, Stream s);
 // dst[dst_rows ? dst_rows[i] : i] = src[src_rows ? src_rows[i] : i] for i < n rows of `width` floats.
-// Hybrid decode, the GPU side of the hand-over from the CPU's experts: waits until *host_flag (pinned
-// host memory, device view) equals *epoch (device), then copies the rows j < n_slots of host_rows
-// (pinned, device view; rows of `width` floats) whose expert is host-resident (slot_of[ids[j]] < 0)
-// into dst, except the slots the GPU computed itself (gpu_slots[j] >= 0, when given; see RoutePublish).
-// The host writes the rows first and the flag last. Lets the GPU work after the hand-over be queued
-// before the CPU has finished.
-void wait_host_rows(const unsigned* host_flag, const unsigned* epoch, const float* host_rows, float* dst,
-                    const int32_t* ids, const int32_t* slot_of, int n_slots, int width, Stream s,
-                    const int32_t* gpu_slots = nullptr);
+// Hybrid decode, the GPU side of the hand-over from the CPU's experts, with their combination: waits
+// until *host_flag (pinned host memory, device view) equals *epoch (device), then for each token
+// t < n_tokens adds the combination of its k slots to its row of x (width floats):
+//   x[t] += sum_j wts[t*k+j] * row_j   (in slot order: the bits of residual_norm's combination)
+// where slot j's row (rows of `width` floats, j = t*k + jj) comes from ey when its expert is
+// device-resident (slot_of[ids[j]] >= 0), from ey_host when the GPU computed it itself from pinned
+// weights (gpu_slots[j] >= 0, when given; see RoutePublish), and otherwise straight from host_rows
+// (pinned, device view; the CPU's outputs). The host writes the rows first and the flag last. Lets the
+// GPU work after the hand-over be queued before the CPU has finished; residual_norm with neither y
+// nor ey then norms x.
+void handover_combine(const unsigned* host_flag, const unsigned* epoch, const float* host_rows, const float* ey,
+                      const float* ey_host, const int32_t* ids, const int32_t* slot_of, int n_expert,
+                      const int32_t* gpu_slots, const float* wts, int k, float* x, int n_tokens, int width, Stream s);
 void copy_rows(const float* src, int64_t ld_src, const int32_t* src_rows, float* dst, int64_t ld_dst,
                const int32_t* dst_rows, int n, int width, Stream s);
 

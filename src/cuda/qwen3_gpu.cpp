@@ -165,8 +165,8 @@ class GpuState final : public ModelState {
   size_t acts_bytes = 0, dequant_bytes = 0, attn_scratch_bytes = 0, stage_bytes = 0;
   // Pinned host exchange buffers.
   float *h_x = nullptr, *h_xn = nullptr, *h_wts = nullptr, *h_ey = nullptr, *h_out = nullptr;
-  float* h_ey_slots = nullptr;  // the CPU's expert outputs in slot order (decode), read by gpu::wait_host_rows
-  float* ey_host = nullptr;     // device copy of h_ey_slots' host rows
+  float* h_ey_slots = nullptr;  // the CPU's expert outputs in slot order (decode), read by gpu::handover_combine
+  float* ey_host = nullptr;     // rows of the host experts the GPU computes itself (its share, decode)
   int32_t *h_ids = nullptr, *h_pos = nullptr, *h_idx = nullptr;
   // The hand-over from the CPU's experts (decode): per layer a flag the host sets to this micro-batch's
   // epoch once its rows are in h_ey_slots; the epoch counts micro-batches (never reused, unlike a
@@ -648,8 +648,8 @@ class Qwen3Gpu final : public GpuRunner {
     st.att_q_valid = false;
     prof_.mark("attn output", stream_);
     const GWeight& next = G.moe ? GWeight{G.experts.gate, nullptr} : G.ffn_gate;
-    gpu::residual_norm(st.x, st.y, nullptr, nullptr, 0, G.ffn_norm, st.xn, E, nt, c.rms_eps, stream_, nullptr, nullptr,
-                       nullptr, xn_q_for(st, next, nt));
+    gpu::residual_norm(st.x, st.y, nullptr, nullptr, 0, G.ffn_norm, st.xn, E, nt, c.rms_eps, stream_,
+                       xn_q_for(st, next, nt));
     prof_.mark("residual + ffn norm", stream_);
   }
 
@@ -759,7 +759,7 @@ class Qwen3Gpu final : public GpuRunner {
   // FFN block, CPU side (hybrid MoE layers, micro-batches of at most kMaxVecTokens): wait for the
   // routing, run the chosen host-resident experts on the CPU threads, put their outputs in h_ey_slots
   // (slot order) and publish them with the layer's flag; the GPU, already queued up to the next layer's
-  // routing, waits for that flag in ffn_finish (gpu::wait_host_rows) and copies the rows up itself.
+  // routing, waits for that flag in ffn_finish (gpu::handover_combine) and reads the rows itself.
   void ffn_host(GpuState& st, ThreadPool& pool, int l, int nt) {
     const int E = c_.n_embd, k = c_.n_expert_used, n_slots = nt * k;
     GExperts& X = layers_[l].experts;
@@ -801,16 +801,19 @@ class Qwen3Gpu final : public GpuRunner {
     const GExperts& X = layers_[l].experts;
     void* xq = last ? nullptr : xn_q_for(st, layers_[l + 1].wq, nt);
     if (host_rows) {
-      gpu::wait_host_rows(st.flags_dev + l, st.epoch_dev, st.ey_slots_dev, st.ey_host, st.ids, X.slot_of_dev,
-                          nt * c_.n_expert_used, c_.n_embd, stream_, X.gpu_share() ? st.gpu_slots : nullptr);
-      prof_.mark("host experts (GPU waits)", stream_);
-    }
-    if (layers_[l].moe && !st.ffn_out_combined)
+      // The CPU's rows come straight from pinned memory into the combination, spread over the row;
+      // then only the norm is left.
+      gpu::handover_combine(st.flags_dev + l, st.epoch_dev, st.ey_slots_dev, st.ey, st.ey_host, st.ids, X.slot_of_dev,
+                            c_.n_expert, X.gpu_share() ? st.gpu_slots : nullptr, st.wts, c_.n_expert_used, st.x, nt,
+                            c_.n_embd, stream_);
+      prof_.mark("host experts (GPU waits) + combine + residual", stream_);
+      if (xn)
+        gpu::residual_norm(st.x, nullptr, nullptr, nullptr, 0, next_norm, xn, c_.n_embd, nt, c_.rms_eps, stream_, xq);
+    } else if (layers_[l].moe && !st.ffn_out_combined)
       gpu::residual_norm(st.x, nullptr, st.ey, st.wts, c_.n_expert_used, next_norm, xn, c_.n_embd, nt, c_.rms_eps,
-                         stream_, host_rows ? st.ey_host : nullptr, st.ids, X.slot_of_dev, xq);
+                         stream_, xq);
     else
-      gpu::residual_norm(st.x, st.y, nullptr, nullptr, 0, next_norm, xn, c_.n_embd, nt, c_.rms_eps, stream_, nullptr,
-                         nullptr, nullptr, xq);
+      gpu::residual_norm(st.x, st.y, nullptr, nullptr, 0, next_norm, xn, c_.n_embd, nt, c_.rms_eps, stream_, xq);
     prof_.mark("combine + residual + norm", stream_);
   }
 

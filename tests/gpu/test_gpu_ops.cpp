@@ -480,38 +480,54 @@ TEST_F(GpuOps, MatvecExpertsCombineEqualsExpertsAndCombine) {
 // the host while the kernel is already waiting), then copies exactly the host slots' rows; device
 // slots' rows stay untouched. A second round with a new epoch must wait again (the old flag value
 // does not count) and see the new rows.
-TEST_F(GpuOps, WaitHostRowsWaitsForTheFlagAndCopiesHostSlots) {
-  const int width = 2048 + 4, n_slots = 6;  // (a width that leaves a partial piece)
-  const std::vector<int32_t> ids = {3, 0, 5, 1, 2, 4};
-  const std::vector<int32_t> slot_of = {0, -1, 1, -1, -1, 2};  // experts 1, 3, 4 on the host
-  auto d_ids = upload(ids), d_slot = upload(slot_of);
+// The hand-over with the combination: it waits for the flag, then adds to x the slots' rows in slot
+// order, device-resident experts' rows from ey, the GPU's share from ey_host and the CPU's straight
+// from pinned memory: the very bits of residual_norm's combination over one buffer holding every row.
+// Rows that must not be read (the other sources' copies of a slot) are NaN.
+TEST_F(GpuOps, HandoverCombineWaitsForTheFlagAndAddsEverySlot) {
+  const int width = 2048 + 4, nt = 2, k = 4, n_slots = nt * k, n_expert = 8;  // (a width with a partial piece)
+  const std::vector<int32_t> ids = {3, 0, 5, 1, 2, 4, 6, 7};
+  const std::vector<int32_t> slot_of = {0, -1, 1, -1, -1, 2, 3, -1};  // experts 1, 3, 4, 7 on the host
+  const std::vector<int32_t> gpu_slots = {3, -1, -1, -1, -1, -1, -1, 7};  // the GPU computed 3 and 7
+  const std::vector<float> all = randn(static_cast<size_t>(n_slots) * width, 501), x0 = randn(static_cast<size_t>(nt) * width, 502, 2.0f),
+                           wts = randn(n_slots, 503, 0.3f);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> ey(all.size(), nan), ey_host(all.size(), nan);
+  for (int j = 0; j < n_slots; ++j) {
+    const bool host = slot_of[ids[j]] < 0, by_gpu = gpu_slots[j] >= 0;
+    std::vector<float>& dst = !host ? ey : ey_host;
+    if (!host || by_gpu) std::copy_n(all.begin() + static_cast<size_t>(j) * width, width, dst.begin() + static_cast<size_t>(j) * width);
+  }
+  auto d_ids = upload(ids), d_slot = upload(slot_of), d_gpu = upload(gpu_slots), d_ey = upload(ey),
+       d_ey_host = upload(ey_host), d_wts = upload(wts), d_all = upload(all);
   float* rows = nullptr;
   unsigned* flag = nullptr;
   ASSERT_EQ(cudaMallocHost(&rows, sizeof(float) * n_slots * width), cudaSuccess);
   ASSERT_EQ(cudaMallocHost(&flag, sizeof(unsigned)), cudaSuccess);
   *flag = 0;
-  Dev dst(sizeof(float) * n_slots * width), epoch(sizeof(unsigned));
+  Dev epoch(sizeof(unsigned));
   void *d_rows = nullptr, *d_flag = nullptr;
   ASSERT_EQ(cudaHostGetDevicePointer(&d_rows, rows, 0), cudaSuccess);
   ASSERT_EQ(cudaHostGetDevicePointer(&d_flag, flag, 0), cudaSuccess);
   for (unsigned round = 1; round <= 2; ++round) {
     SCOPED_TRACE("round " + std::to_string(round));
     epoch.up(&round, sizeof(unsigned));
-    for (int i = 0; i < n_slots * width; ++i) rows[i] = -1.0f;  // not yet the outputs
-    wait_host_rows(static_cast<const unsigned*>(d_flag), epoch.as<unsigned>(), static_cast<const float*>(d_rows),
-                   dst.as<float>(), d_ids->as<int32_t>(), d_slot->as<int32_t>(), n_slots, width, s());
+    for (int i = 0; i < n_slots * width; ++i) rows[i] = nan;  // not yet the outputs
+    auto dx = upload(x0), dx_ref = upload(x0);
+    handover_combine(static_cast<const unsigned*>(d_flag), epoch.as<unsigned>(), static_cast<const float*>(d_rows),
+                     d_ey->as<float>(), d_ey_host->as<float>(), d_ids->as<int32_t>(), d_slot->as<int32_t>(), n_expert,
+                     d_gpu->as<int32_t>(), d_wts->as<float>(), k, dx->as<float>(), nt, width, s());
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     EXPECT_EQ(cudaStreamQuery(static_cast<cudaStream_t>(s())), cudaErrorNotReady) << "did not wait for the flag";
-    for (int i = 0; i < n_slots * width; ++i) rows[i] = static_cast<float>(round * 100000 + i);
+    for (int j = 0; j < n_slots; ++j)  // the CPU's rows (only its slots: the others stay NaN)
+      if (slot_of[ids[j]] < 0 && gpu_slots[j] < 0)
+        std::copy_n(all.begin() + static_cast<size_t>(j) * width, width, rows + static_cast<size_t>(j) * width);
     std::atomic_ref<unsigned>(*flag).store(round, std::memory_order_release);
+    residual_norm(dx_ref->as<float>(), nullptr, d_all->as<float>(), d_wts->as<float>(), k, nullptr, nullptr, width, nt,
+                  1e-6f, s());
     sync();
-    auto got = dst.down<float>(static_cast<size_t>(n_slots) * width);
-    for (int j = 0; j < n_slots; ++j)
-      for (int i = 0; i < width; ++i) {
-        const float g = got[static_cast<size_t>(j) * width + i];
-        if (slot_of[ids[j]] < 0) ASSERT_EQ(g, static_cast<float>(round * 100000 + j * width + i)) << j << " " << i;
-        else ASSERT_TRUE(is_poison(g)) << "device slot " << j << " written";
-      }
+    auto got = dx->down<float>(x0.size()), want = dx_ref->down<float>(x0.size());
+    for (size_t i = 0; i < x0.size(); ++i) ASSERT_EQ(bits(got[i]), bits(want[i])) << "x at " << i;
   }
   cudaFreeHost(rows);
   cudaFreeHost(flag);
@@ -757,7 +773,7 @@ void GpuOps::residual_norm_case(int k, int n) {
         auto dx_q = upload(x);
         residual_norm(dx_q->as<float>(), combine ? nullptr : dy->as<float>(), combine ? dey->as<float>() : nullptr,
                       combine ? dwts->as<float>() : nullptr, combine ? k : 0, wp, tmp.as<float>(), n, rows, 1e-6f, s(),
-                      nullptr, nullptr, nullptr, xq_fused.as());
+                      xq_fused.as());
         quantize_acts(DType::Q8_K, xn_ref.as<float>(), n, rows, n, xq_ref.as(), s());
       }
       sync();
@@ -775,29 +791,19 @@ void GpuOps::residual_norm_case(int k, int n) {
     }
   EXPECT_THROW(residual_norm(nullptr, nullptr, nullptr, nullptr, 0, nullptr, nullptr, n, 1, 1e-6f, s()), Error);
 
-  // Host experts' rows from a second buffer: slots whose expert maps to -1 read ey_host; their rows in
-  // ey are garbage (poison) and must not be read.
-  std::vector<int32_t> ids(static_cast<size_t>(rows) * k), slot_of(16);
-  for (size_t j = 0; j < ids.size(); ++j) ids[j] = static_cast<int32_t>((j * 7 + 3) % 16);
-  for (int e = 0; e < 16; ++e) slot_of[e] = e % 3 == 0 ? -1 : e;
-  std::vector<float> ey_dev = ey, ey_hostv(ey.size(), 0.0f);
-  for (size_t j = 0; j < ids.size(); ++j)
-    if (slot_of[ids[j]] < 0)
-      for (int i = 0; i < n; ++i) {
-        ey_hostv[j * n + i] = ey[j * n + i];
-        ey_dev[j * n + i] = std::numeric_limits<float>::quiet_NaN();
-      }
-  auto d_ids = upload(ids), d_slot_of = upload(slot_of), d_ey_dev = upload(ey_dev), d_ey_host = upload(ey_hostv);
-  auto dx_split = upload(x), dx_whole = upload(x);
-  Dev xn_split(x.size() * 4), xn_whole(x.size() * 4);
-  residual_norm(dx_split->as<float>(), nullptr, d_ey_dev->as<float>(), dwts->as<float>(), k, dw->as<float>(),
-                xn_split.as<float>(), n, rows, 1e-6f, s(), d_ey_host->as<float>(), d_ids->as<int32_t>(),
-                d_slot_of->as<int32_t>());
-  residual_norm(dx_whole->as<float>(), nullptr, dey->as<float>(), dwts->as<float>(), k, dw->as<float>(),
-                xn_whole.as<float>(), n, rows, 1e-6f, s());
+  // Neither y nor ey: x is only normed (and left as it is, bit for bit).
+  auto dx_only = upload(x);
+  Dev xn_only(x.size() * 4), xn_ref2(x.size() * 4);
+  residual_norm(dx_only->as<float>(), nullptr, nullptr, nullptr, 0, dw->as<float>(), xn_only.as<float>(), n, rows, 1e-6f,
+                s());
+  auto dx_ref2 = upload(x);
+  rms_norm(dx_ref2->as<float>(), dw->as<float>(), xn_ref2.as<float>(), n, rows, 1e-6f, n, n, s());
   sync();
-  auto a1 = xn_split.down<float>(x.size()), a2 = xn_whole.down<float>(x.size());
-  for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(bits(a1[i]), bits(a2[i])) << "host rows, at " << i;
+  auto xo = dx_only->down<float>(x.size()), no = xn_only.down<float>(x.size()), nr = xn_ref2.down<float>(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    ASSERT_EQ(bits(xo[i]), bits(x[i])) << "x changed at " << i;
+    ASSERT_EQ(bits(no[i]), bits(nr[i])) << "norm only, at " << i;
+  }
 }
 
 // The fused attention prologue against rms_norm + rope_neox + kv_store on copies: the same bits in q
