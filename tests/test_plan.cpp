@@ -2,7 +2,11 @@
 // budget-too-small error, and the size / override parsers.
 #include <gtest/gtest.h>
 
+#include <sys/mman.h>
+
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #include "model/model.h"
 #include "runtime/error.h"
@@ -224,4 +228,24 @@ TEST(Plan, GpuShareOfHostExperts) {
   EXPECT_GE(autos, 0.0);
   EXPECT_LE(autos, 1.0);
   EXPECT_EQ(plan_for(PlanOptions{}).host_experts_gpu_share, 0.0);  // every expert on the GPU
+}
+
+// The huge-page count behind the load message: within [0, n] for a mapping of our own, and where
+// transparent huge pages are on and the kernel gave them, at least one 2 MiB page of an aligned,
+// touched region asked for with MADV_HUGEPAGE (the kernel may refuse: then only the bounds hold).
+TEST(Machine, HugePageBytesOfAMapping) {
+  const size_t n = 8u << 20;
+  void* raw = mmap(nullptr, n + (2u << 20), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(raw, MAP_FAILED);
+  auto* p = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + (2u << 20) - 1) & ~uintptr_t((2u << 20) - 1));
+  madvise(p, n, MADV_HUGEPAGE);
+  std::memset(p, 1, n);
+  const int64_t huge = huge_page_bytes(p, n);
+  if (huge >= 0) {
+    EXPECT_LE(huge, static_cast<int64_t>(n));
+    EXPECT_EQ(huge % (2 << 20), 0) << "AnonHugePages counts whole 2 MiB pages";
+  }
+  EXPECT_LE(huge_page_bytes(p, 4096), 4096) << "never more than the range asked about";
+  EXPECT_FALSE(huge_page_policy().empty());
+  munmap(raw, n + (2u << 20));
 }

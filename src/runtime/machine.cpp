@@ -3,11 +3,15 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <string>
 #include <nlohmann/json.hpp>
 
 #include "quant/kernels.h"
@@ -149,6 +153,40 @@ MachineProfile probe_machine(int n_threads, bool use_gpu, bool use_cache) {
   m.gpu_name = "none";
 #endif
   return m;
+}
+
+
+int64_t huge_page_bytes(const void* p, uint64_t n) {
+  std::ifstream in("/proc/self/smaps");
+  if (!in) return -1;
+  const uint64_t lo = reinterpret_cast<uintptr_t>(p), hi = lo + n;
+  uint64_t overlap = 0, total = 0;
+  bool seen = false;
+  for (std::string line; std::getline(in, line);) {
+    unsigned long long a = 0, b = 0;
+    if (std::sscanf(line.c_str(), "%llx-%llx ", &a, &b) == 2 && line.find(' ') != std::string::npos &&
+        line.find(':') > line.find(' ')) {  // a mapping's header ("start-end perms ...")
+      overlap = std::min<uint64_t>(b, hi) > std::max<uint64_t>(a, lo) ? std::min<uint64_t>(b, hi) - std::max<uint64_t>(a, lo) : 0;
+      continue;
+    }
+    unsigned long long kb = 0;
+    if (overlap && std::sscanf(line.c_str(), "AnonHugePages: %llu kB", &kb) == 1) {
+      total += std::min<uint64_t>(kb * 1024, overlap);
+      seen = true;
+    }
+  }
+  return seen ? static_cast<int64_t>(total) : -1;
+}
+
+std::string huge_page_policy() {
+  auto chosen = [](const char* path) {
+    std::ifstream in(path);
+    std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const size_t a = all.find('['), b = all.find(']');
+    return a != std::string::npos && b > a ? all.substr(a + 1, b - a - 1) : std::string("?");
+  };
+  return "enabled=" + chosen("/sys/kernel/mm/transparent_hugepage/enabled") +
+         " defrag=" + chosen("/sys/kernel/mm/transparent_hugepage/defrag");
 }
 
 }  // namespace fitmoe

@@ -14,4 +14,12 @@ MachineProfile probe_machine(int n_threads, bool use_gpu, bool use_cache = true)
 // machine without a GPU: `fitmoe plan --vram 8G` there answers "what would happen on such a card".
 MachineProfile reference_consumer_machine(uint64_t vram);
 
+// How many bytes of [p, p + n) the kernel backs with transparent huge pages (the AnonHugePages of the
+// mappings in /proc/self/smaps that overlap it, at most their overlap), or -1 where that cannot be read.
+// The CPU streams host-resident experts from such memory: 4 KiB pages cost it a TLB miss and a stop of
+// the hardware prefetchers every 4 KiB.
+int64_t huge_page_bytes(const void* p, uint64_t n);
+// The kernel's transparent huge page policy ("enabled" and "defrag", the chosen words), for messages.
+std::string huge_page_policy();
+
 }  // namespace fitmoe

@@ -320,36 +320,45 @@ TEST_F(GpuOps, MatvecMultiEqualsSeparateMatvecs) {
 // route_topk, twice in a row (the completion counter must come back to 0), and a refusal (false)
 // where it does not apply.
 TEST_F(GpuOps, RouterTopkEqualsMatvecAndRouteTopk) {
+  // The fused router ranks its experts in one CTA, route_topk takes k arg-max rounds in a warp: the same
+  // choices and weights for every expert count the fused router takes, ties (duplicated router rows
+  // give equal probabilities: the lower index first) and NaN inputs included.
   const int64_t cols = 512;
-  const int n_expert = 128, k = 8;
-  HostMatrix r = random_matrix(DType::F32, n_expert, cols, 1, 611);
-  auto dr = upload(r.data);
-  DevMatrix m = dev_matrix(r, *dr);
   Dev done(sizeof(unsigned));
   cudaMemset(done.as(), 0, sizeof(unsigned));
-  for (int nt : {1, 5}) {
-    for (int rep = 0; rep < 2; ++rep) {
-      SCOPED_TRACE("tokens " + std::to_string(nt) + " rep " + std::to_string(rep));
-      auto x = upload(randn(static_cast<size_t>(cols) * nt, 612 + rep + nt, 1.0f));
-      Dev l1(static_cast<size_t>(nt) * n_expert * 4), l2(static_cast<size_t>(nt) * n_expert * 4);
-      Dev i1(static_cast<size_t>(nt) * k * 4), i2(static_cast<size_t>(nt) * k * 4);
-      Dev w1(static_cast<size_t>(nt) * k * 4), w2(static_cast<size_t>(nt) * k * 4);
-      ASSERT_TRUE(router_topk(m, x->as<float>(), nt, l1.as<float>(), k, i1.as<int32_t>(), w1.as<float>(),
-                              done.as<unsigned>(), s()));
-      matvec(m, x->as<float>(), nt, l2.as<float>(), n_expert, s());
-      route_topk(l2.as<float>(), nt, n_expert, k, i2.as<int32_t>(), w2.as<float>(), s());
-      sync();
-      auto a = l1.down<float>(static_cast<size_t>(nt) * n_expert), b = l2.down<float>(static_cast<size_t>(nt) * n_expert);
-      for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(bits(a[i]), bits(b[i])) << "logit " << i;
-      auto ia = i1.down<int32_t>(static_cast<size_t>(nt) * k), ib = i2.down<int32_t>(static_cast<size_t>(nt) * k);
-      auto wa = w1.down<float>(static_cast<size_t>(nt) * k), wb = w2.down<float>(static_cast<size_t>(nt) * k);
-      for (size_t i = 0; i < ia.size(); ++i) {
-        ASSERT_EQ(ia[i], ib[i]) << "choice " << i;
-        ASSERT_EQ(bits(wa[i]), bits(wb[i])) << "weight " << i;
+  for (int n_expert : {60, 128, 256, 500}) {
+    HostMatrix r = random_matrix(DType::F32, n_expert, cols, 1, 611 + n_expert);
+    for (int e = 1; e < n_expert; e += 7)  // row e copies row e - 1
+      std::copy_n(r.data.begin() + (e - 1) * cols * 4, cols * 4, r.data.begin() + e * cols * 4);
+    auto dr = upload(r.data);
+    DevMatrix m = dev_matrix(r, *dr);
+    for (int k : {1, 8, 32}) {
+      for (int nt : {1, 5}) {
+        SCOPED_TRACE("experts " + std::to_string(n_expert) + " k " + std::to_string(k) + " tokens " + std::to_string(nt));
+        std::vector<float> xh = randn(static_cast<size_t>(cols) * nt, 612 + k + nt, 1.0f);
+        if (nt == 5) xh[3 * cols + 7] = std::numeric_limits<float>::quiet_NaN();  // token 3: NaN logits
+        auto x = upload(xh);
+        Dev l1(static_cast<size_t>(nt) * n_expert * 4), l2(static_cast<size_t>(nt) * n_expert * 4);
+        Dev i1(static_cast<size_t>(nt) * k * 4), i2(static_cast<size_t>(nt) * k * 4);
+        Dev w1(static_cast<size_t>(nt) * k * 4), w2(static_cast<size_t>(nt) * k * 4);
+        ASSERT_TRUE(router_topk(m, x->as<float>(), nt, l1.as<float>(), k, i1.as<int32_t>(), w1.as<float>(),
+                                done.as<unsigned>(), s()));
+        matvec(m, x->as<float>(), nt, l2.as<float>(), n_expert, s());
+        route_topk(l2.as<float>(), nt, n_expert, k, i2.as<int32_t>(), w2.as<float>(), s());
+        sync();
+        auto a = l1.down<float>(static_cast<size_t>(nt) * n_expert), b = l2.down<float>(static_cast<size_t>(nt) * n_expert);
+        for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(bits(a[i]), bits(b[i])) << "logit " << i;
+        auto ia = i1.down<int32_t>(static_cast<size_t>(nt) * k), ib = i2.down<int32_t>(static_cast<size_t>(nt) * k);
+        auto wa = w1.down<float>(static_cast<size_t>(nt) * k), wb = w2.down<float>(static_cast<size_t>(nt) * k);
+        for (size_t i = 0; i < ia.size(); ++i) {
+          ASSERT_EQ(ia[i], ib[i]) << "choice " << i;
+          ASSERT_EQ(bits(wa[i]), bits(wb[i])) << "weight " << i;
+        }
+        ASSERT_EQ(done.down<unsigned>(1)[0], 0u) << "the counter was not reset";
       }
-      ASSERT_EQ(done.down<unsigned>(1)[0], 0u) << "the counter was not reset";
     }
   }
+  const int n_expert = 128, k = 8;
   HostMatrix q = random_matrix(DType::Q8_0, n_expert, cols, 1, 613);
   auto dq = upload(q.data);
   Dev out(4096);
