@@ -134,6 +134,34 @@ __device__ __forceinline__ void store_release_sys(unsigned* p, unsigned v) {
   *reinterpret_cast<volatile unsigned*>(p) = v;
 #endif
 }
+// CTAs counting each other across the GPU (the attention's chunks, the router's last CTA): thread 0
+// arrives after a __syncthreads, so its release publishes the whole CTA's writes, and the CTA that sees
+// the count complete acquires everyone's (then a __syncthreads hands that on to its threads). From
+// compute capability 7.0 these are one acquire-release atomic / acquire load, not a full fence on each
+// side; Pascal gets the fences.
+__device__ __forceinline__ unsigned arrive_acq_rel(unsigned* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
+  return old;
+#else
+  __threadfence();
+  const unsigned old = atomicAdd(p, 1u);
+  __threadfence();
+  return old;
+#endif
+}
+__device__ __forceinline__ unsigned load_acquire_gpu(const unsigned* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+#else
+  const unsigned v = *reinterpret_cast<const volatile unsigned*>(p);
+  __threadfence();
+  return v;
+#endif
+}
 // A short pause in a polling loop (__nanosleep exists from compute capability 7.0; Pascal just polls).
 __device__ __forceinline__ void poll_pause(unsigned ns) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
@@ -1598,13 +1626,12 @@ struct GroupSmem {  // dynamic shared memory of attn_dec_group_kernel, in floats
 };
 
 // Arrive at the group's counter and wait until `target` CTAs have (thread 0 spins; the block waits at
-// the barrier). Every thread fenced its own global writes before calling.
+// the barrier): the CTAs' global writes before it are visible to each other after it.
 __device__ __forceinline__ void group_barrier(unsigned* cnt, unsigned target) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    atomicAdd(cnt, 1u);
-    while (*reinterpret_cast<volatile unsigned*>(cnt) < target) poll_pause(20);
-    __threadfence();
+    arrive_acq_rel(cnt);
+    while (load_acquire_gpu(cnt) < target) poll_pause(20);
   }
   __syncthreads();
 }
@@ -1744,7 +1771,6 @@ __global__ void __launch_bounds__(kGroupThreads) attn_dec_group_kernel(const Att
     }
   }
   if (!alone) {
-    __threadfence();
     group_barrier(cnt, n_act);
     for (int i = warp; i < G; i += kGroupThreads / 32) {
       const float mc = lane < n_act ? __ldcg(st_m + lane * G + i) : -INFINITY;
@@ -1831,13 +1857,11 @@ __global__ void __launch_bounds__(kGroupThreads) attn_dec_group_kernel(const Att
       for (int p = 1; p < P; ++p) o = __fadd_rn(o, red[p * G * a.hdv + e]);
       opart[static_cast<size_t>(c) * G * a.hdv + e] = o;
     }
-    __threadfence();
     __shared__ bool last;
     __syncthreads();
-    if (tid == 0) last = atomicAdd(cnt, 1u) == 2 * n_act - 1;
+    if (tid == 0) last = arrive_acq_rel(cnt) == 2 * n_act - 1;
     __syncthreads();
     if (!last) return;
-    __threadfence();
     // The last chunk: the group's output, the partials added in chunk order.
     for (int e = tid; e < G * a.hdv; e += kGroupThreads) {
       float o = __ldcg(opart + e);
@@ -2573,12 +2597,10 @@ __global__ void __launch_bounds__(kMvWarps * 32) router_topk_kernel(const MvArgs
   extern __shared__ float p[];  // [kMvWarps][rows]
   __shared__ bool last;
   mv_float_split_body<float, NT, VEC>(a);
-  __threadfence();  // this CTA's logits are visible before it is counted
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+  __syncthreads();  // (then thread 0's release publishes this CTA's logits)
+  if (threadIdx.x == 0) last = arrive_acq_rel(done) == gridDim.x - 1;
   __syncthreads();
   if (!last) return;
-  __threadfence();
   const int warp = threadIdx.x >> 5;
   for (int t = warp; t < a.n_tokens; t += kMvWarps)
     route_topk_warp(a.y, static_cast<int>(a.rows), k, ids, weights, t, p + warp * a.rows);
