@@ -2427,8 +2427,18 @@ bool launch_attention(AttnArgs& a, void* scratch, size_t scratch_bytes, cudaStre
 
 // ================================ routing =========================================================
 
-// The warp's largest (value, index) pair, the lower index on ties, in every lane.
+// The warp's largest (value, index) pair, the lower index on ties, in every lane. The routing's values
+// are probabilities (>= +0, never NaN here) or -1 with index INT_MAX for "none"; from compute capability
+// 8.0 two warp reductions do it (the bits of a non-negative float order like the float, +1 so that 0
+// means none; then the lowest index among the lanes holding the maximum), a butterfly of five shuffle
+// rounds before.
 __device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned key = bv >= 0.0f ? __float_as_uint(bv) + 1u : 0u;
+  const unsigned m = __reduce_max_sync(kFull, key);
+  bi = static_cast<int>(__reduce_min_sync(kFull, key == m ? static_cast<unsigned>(bi) : static_cast<unsigned>(INT_MAX)));
+  bv = m ? __uint_as_float(m - 1u) : -1.0f;
+#else
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     const float ov = __shfl_xor_sync(kFull, bv, o);
@@ -2438,6 +2448,7 @@ __device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
       bi = oi;
     }
   }
+#endif
 }
 
 // The end of a token's routing: choice j sits in lane j % 32 (my_w, my_i); the chosen weights are
@@ -2445,7 +2456,8 @@ __device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
 __device__ __forceinline__ void write_renormalised(float my_w, int my_i, int k, int32_t* ti, float* tw) {
   const int lane = threadIdx.x & 31;
   double ws = 0.0;
-  for (int j = 0; j < k; ++j) ws += static_cast<double>(__shfl_sync(kFull, my_w, j));
+#pragma unroll 8
+  for (int j = 0; j < k; ++j) ws += static_cast<double>(__shfl_sync(kFull, my_w, j));  // (the shuffles overlap)
   const float s = fmaxf(static_cast<float>(ws), 6.103515625e-5f);
   if (lane < k) {
     ti[lane] = my_i;
@@ -2479,7 +2491,7 @@ __device__ void route_topk_warp_regs(const float* logits, int n_expert, int k, i
     }
   }
   sum = warp_sum(sum);
-  const float inv = static_cast<float>(1.0 / sum);
+  const float inv = static_cast<float>(__drcp_rn(sum));  // (= 1.0 / sum, correctly rounded)
 #pragma unroll
   for (int i = 0; i < VPL; ++i) p[i] = lane + 32 * i < n_expert ? __fmul_rn(p[i], inv) : -3.0f;  // never chosen
   float my_w = 0.0f;
@@ -2521,7 +2533,7 @@ __device__ void route_topk_warp(const float* logits, int n_expert, int k, int32_
     sum += static_cast<double>(v);
   }
   sum = warp_sum(sum);
-  const float inv = static_cast<float>(1.0 / sum);
+  const float inv = static_cast<float>(__drcp_rn(sum));  // (= 1.0 / sum, correctly rounded)
   for (int e = lane; e < n_expert; e += 32) p[e] = __fmul_rn(p[e], inv);
   __syncwarp();
   int32_t* ti = ids + static_cast<int64_t>(t) * k;
