@@ -2,7 +2,7 @@
 # The one script for the GPU machine (device tool): runs the tests there, then the benchmarks, and
 # prints a short table last. Binaries come prebuilt from the dev machine (scripts/device-prepare.sh puts
 # them and the test fixtures into git-ignored folders that the run carries).
-#   scripts/device-run.sh [all|tests|cpu|gpu|gputests|gpubench|profile|skip|ab|ncu|nsys]   (SKIP_CONFIGS names GPU configs to skip)
+#   scripts/device-run.sh [all|tests|cpu|gpu|gputests|gpubench|profile|skip|ab|sync|ncu|nsys]   (SKIP_CONFIGS names GPU configs to skip)
 # profile: where a decode step's GPU time goes, per op (FITMOE_PROFILE=1), all on the GPU and at 8 GiB.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -81,6 +81,16 @@ if [ "$WHAT" = ab ]; then
       done
     done
   done
+fi
+
+# What a launch boundary costs against a grid barrier in a persistent kernel (bench/gpu_phase_sync.cu):
+# chains of dependent phases, each streaming 0 B to 6 MiB of its own weights, both ways.
+if [ "$WHAT" = all ] || [ "$WHAT" = gpu ] || [ "$WHAT" = sync ]; then
+  if [ -x "$BIN/fitmoe_gpu_phase_sync" ]; then
+    echo "== phase sync: kernel chain (graph, PDL) against a persistent kernel with grid barriers"
+    "$BIN/fitmoe_gpu_phase_sync" 480 20 | tee "$OUT/phase-sync.txt"
+    while read -r l; do summary+=("sync $l"); done < <(tail -n +2 "$OUT/phase-sync.txt")
+  fi
 fi
 
 # Each kernel's cost on the critical path of an all-GPU decode step (no nsys on the lent machines):
