@@ -14,7 +14,8 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <vector>
+
+#include "cuda/sync.cuh"
 
 #define CHECK(x)                                                                             \
   do {                                                                                       \
@@ -25,23 +26,15 @@
     }                                                                                        \
   } while (0)
 
+namespace fitmoe::gpu {
 namespace {
 
 constexpr int kThreads = 512;
 
-__device__ __forceinline__ void pdl_wait_then_release() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
+// A phase's weights into L2, the grid's threads together (thread g of the grid: 128-byte lines g,
+// g + threads in the grid, ...).
 __device__ __forceinline__ void prefetch_share(const uint4* w, size_t n16) {
-  // 128-byte lines = 8 uint4; this CTA's lines are blockIdx.x + k * gridDim.x, thread by thread.
-  const size_t lines = n16 / 8;
-  for (size_t l = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; l < lines;
-       l += static_cast<size_t>(gridDim.x) * blockDim.x)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(w + l * 8));
+  prefetch_l2(w, n16 * 16, static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), static_cast<int>(gridDim.x * blockDim.x));
 }
 
 // This CTA's share of one phase: the sum of its 16-byte words (as floats) plus a value another CTA wrote
@@ -72,7 +65,7 @@ __device__ __forceinline__ void phase_body(const uint4* w, size_t n16, float* io
 
 __global__ void __launch_bounds__(kThreads) phase_kernel(const uint4* w, size_t n16, float* io, int phase, int prefetch) {
   if (prefetch) prefetch_share(w, n16);
-  pdl_wait_then_release();
+  pdl_enter();
   phase_body(w, n16, io, phase);
 }
 
@@ -88,36 +81,6 @@ enum Barrier { kCount = 0, kFlag = 1, kTree = 2 };
 constexpr int kTreeFan = 12;
 constexpr int kLine = 32;  // unsigneds per 128-byte line
 
-__device__ __forceinline__ unsigned atom_add_acq_rel(unsigned* p) {
-  unsigned old;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
-#else
-  __threadfence();
-  old = atomicAdd(p, 1u);
-  __threadfence();
-#endif
-  return old;
-}
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-  unsigned v;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-#else
-  v = *reinterpret_cast<const volatile unsigned*>(p);
-  __threadfence();
-#endif
-  return v;
-}
-__device__ __forceinline__ void st_release(unsigned* p, unsigned v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-#else
-  __threadfence();
-  *reinterpret_cast<volatile unsigned*>(p) = v;
-#endif
-}
-
 // ctr: [0] the counter (kCount) / top counter, [kLine] the flag, [2 * kLine + group * kLine] the groups'.
 __device__ __forceinline__ void grid_barrier(unsigned* ctr, unsigned gen, Barrier kind) {
   __syncthreads();
@@ -125,21 +88,21 @@ __device__ __forceinline__ void grid_barrier(unsigned* ctr, unsigned gen, Barrie
     const unsigned n = gridDim.x;
     unsigned* flag = ctr + kLine;
     if (kind == kCount) {
-      atom_add_acq_rel(ctr);
-      while (ld_acquire(ctr) < gen * n) {
+      arrive_acq_rel(ctr);
+      while (load_acquire_gpu(ctr) < gen * n) {
       }
     } else if (kind == kFlag) {
-      if (atom_add_acq_rel(ctr) == gen * n - 1) st_release(flag, gen);
+      if (arrive_acq_rel(ctr) == gen * n - 1) store_release_gpu(flag, gen);
       else
-        while (ld_acquire(flag) < gen) {
+        while (load_acquire_gpu(flag) < gen) {
         }
     } else {
       const unsigned grp = blockIdx.x / kTreeFan, ngrp = (n + kTreeFan - 1) / kTreeFan;
       const unsigned size = min(static_cast<unsigned>(kTreeFan), n - grp * kTreeFan);
-      if (atom_add_acq_rel(ctr + 2 * kLine + grp * kLine) == gen * size - 1 && atom_add_acq_rel(ctr) == gen * ngrp - 1)
-        st_release(flag, gen);
+      if (arrive_acq_rel(ctr + 2 * kLine + grp * kLine) == gen * size - 1 && arrive_acq_rel(ctr) == gen * ngrp - 1)
+        store_release_gpu(flag, gen);
       else
-        while (ld_acquire(flag) < gen) {
+        while (load_acquire_gpu(flag) < gen) {
         }
     }
   }
@@ -155,7 +118,8 @@ __global__ void __launch_bounds__(kThreads) persistent_kernel(const uint4* w, si
   }
 }
 
-float time_ms(cudaStream_t s, cudaEvent_t a, cudaEvent_t b, int reps, const auto& body) {
+template <class Body>
+float time_ms(cudaStream_t s, cudaEvent_t a, cudaEvent_t b, int reps, const Body& body) {
   body();  // warm-up
   CHECK(cudaStreamSynchronize(s));
   CHECK(cudaEventRecord(a, s));
@@ -168,8 +132,10 @@ float time_ms(cudaStream_t s, cudaEvent_t a, cudaEvent_t b, int reps, const auto
 }
 
 }  // namespace
+}  // namespace fitmoe::gpu
 
 int main(int argc, char** argv) {
+  using namespace fitmoe::gpu;
   const int phases = argc > 1 ? std::atoi(argv[1]) : 480;
   const int reps = argc > 2 ? std::atoi(argv[2]) : 20;
   int dev = 0, sms = 0, major = 0, coop = 0;

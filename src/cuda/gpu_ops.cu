@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "cuda/blocks.cuh"
+#include "cuda/sync.cuh"
 #include "cuda/kernel_util.h"
 #include "runtime/error.h"
 
@@ -105,79 +106,7 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaS
 
 // ================================ device-side helpers =============================================
 
-// PDL (see launch()): wait until the kernel before this one has finished, then let the next one start.
-__device__ __forceinline__ void pdl_enter() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-// The flags the CPU and the GPU exchange through pinned memory: system-scope acquire / release from
-// compute capability 7.0 (Volta), a volatile access and a system fence before it (Pascal).
-__device__ __forceinline__ unsigned load_acquire_sys(const unsigned* p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-  unsigned v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-#else
-  const unsigned v = *reinterpret_cast<const volatile unsigned*>(p);
-  __threadfence_system();
-  return v;
-#endif
-}
-__device__ __forceinline__ void store_release_sys(unsigned* p, unsigned v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-#else
-  __threadfence_system();
-  *reinterpret_cast<volatile unsigned*>(p) = v;
-#endif
-}
-// CTAs counting each other across the GPU (the attention's chunks, the router's last CTA): thread 0
-// arrives after a __syncthreads, so its release publishes the whole CTA's writes, and the CTA that sees
-// the count complete acquires everyone's (then a __syncthreads hands that on to its threads). From
-// compute capability 7.0 these are one acquire-release atomic / acquire load, not a full fence on each
-// side; Pascal gets the fences.
-__device__ __forceinline__ unsigned arrive_acq_rel(unsigned* p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-  unsigned old;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
-  return old;
-#else
-  __threadfence();
-  const unsigned old = atomicAdd(p, 1u);
-  __threadfence();
-  return old;
-#endif
-}
-__device__ __forceinline__ unsigned load_acquire_gpu(const unsigned* p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-#else
-  const unsigned v = *reinterpret_cast<const volatile unsigned*>(p);
-  __threadfence();
-  return v;
-#endif
-}
-// A short pause in a polling loop (__nanosleep exists from compute capability 7.0; Pascal just polls).
-__device__ __forceinline__ void poll_pause(unsigned ns) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-  __nanosleep(ns);
-#else
-  (void)ns;
-#endif
-}
-
-// Hints bytes [p, p + n) into L2, 128-byte lines first, first + stride, ... (a hint: never a fault, and
-// never a change to what a later load returns).
-__device__ __forceinline__ void prefetch_l2(const void* p, size_t n, int first, int stride) {
-  const char* c = static_cast<const char*>(p);
-  for (size_t off = static_cast<size_t>(first) * 128; off < n; off += static_cast<size_t>(stride) * 128)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
-}
+// (pdl_enter, the acquire / release flags and counters, poll_pause and prefetch_l2 are in cuda/sync.cuh.)
 // (The weight block decoders and the small load / conversion helpers are in cuda/blocks.cuh, shared with
 // moe_gemm.cu.)
 
