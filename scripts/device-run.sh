@@ -2,7 +2,7 @@
 # The one script for the GPU machine (device tool): runs the tests there, then the benchmarks, and
 # prints a short table last. Binaries come prebuilt from the dev machine (scripts/device-prepare.sh puts
 # them and the test fixtures into git-ignored folders that the run carries).
-#   scripts/device-run.sh [all|tests|cpu|gpu|gputests|gpubench|profile|skip|ab|sync|ncu|nsys]   (SKIP_CONFIGS names GPU configs to skip)
+#   scripts/device-run.sh [all|tests|cpu|gpu|gputests|gpubench|profile|skip|ab|sync|ncu|ncu-detail|nsys]   (SKIP_CONFIGS names GPU configs to skip)
 # profile: where a decode step's GPU time goes, per op (FITMOE_PROFILE=1), all on the GPU and at 8 GiB.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -134,6 +134,23 @@ if [ "$WHAT" = ncu ]; then
     tail -n 3 "$OUT/ncu-reference.err"
   fi
   for f in "$OUT"/ncu-*.csv; do echo "== $f"; wc -l < "$f"; done
+fi
+
+# Why given kernels take what they take, from Nsight Compute's detailed sections (stall reasons per source
+# line included) on a few all-GPU decode launches without graphs: NCU_KERNELS is a regex of kernel
+# names (default: the decode attention, the router, the gate+up and down mat-vecs), NCU_SKIP launches
+# of them skipped first (past the prompt's), NCU_COUNT profiled.
+if [ "$WHAT" = ncu-detail ]; then
+  [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
+  K=${NCU_KERNELS:-attn_dec_group|router_topk|mmvq_kernel|handover|residual_norm}
+  FITMOE_NO_GRAPHS=1 ncu --clock-control none --kernel-name "regex:$K" --launch-skip "${NCU_SKIP:-400}" \
+    --launch-count "${NCU_COUNT:-24}" --section SpeedOfLight --section LaunchStats --section Occupancy \
+    --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters \
+    --import-source no --page details --print-summary none \
+    "$BIN/fitmoe" bench -m "$MODEL" -p 0 -n 8 -r 1 > "$OUT/ncu-detail.txt" 2> "$OUT/ncu-detail.err"
+  tail -n 3 "$OUT/ncu-detail.err"
+  grep -E '^  [a-z_].*\(|Duration|Registers Per|Achieved Occupancy|Memory Throughput|stalled|No Eligible|Issued Warp' \
+    "$OUT/ncu-detail.txt" | head -n 200  # (the whole report comes back in $OUT/ncu-detail.txt)
 fi
 
 # A decode timeline from Nsight Systems (CUDA graphs traced per node): kernels overlap under programmatic
