@@ -136,16 +136,17 @@ if [ "$WHAT" = ncu ]; then
   for f in "$OUT"/ncu-*.csv; do echo "== $f"; wc -l < "$f"; done
 fi
 
-# Why given kernels take what they take, from Nsight Compute's detailed sections (stall reasons per source
-# line included) on a few all-GPU decode launches without graphs: NCU_KERNELS is a regex of kernel
+# Why given kernels take what they take, from Nsight Compute's detailed sections (and the stall reasons
+# per kernel) on a few all-GPU decode launches without graphs, caches kept warm as in a real step: NCU_KERNELS is a regex of kernel
 # names (default: the decode attention, the router, the gate+up and down mat-vecs), NCU_SKIP launches
 # of them skipped first (past the prompt's), NCU_COUNT profiled.
 if [ "$WHAT" = ncu-detail ]; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
   K=${NCU_KERNELS:-attn_dec_group|router_topk|mmvq_kernel|handover|residual_norm}
-  FITMOE_NO_GRAPHS=1 ncu --clock-control none --kernel-name "regex:$K" --launch-skip "${NCU_SKIP:-400}" \
+  FITMOE_NO_GRAPHS=1 ncu --clock-control none --cache-control none --kernel-name "regex:$K" --launch-skip "${NCU_SKIP:-400}" \
     --launch-count "${NCU_COUNT:-24}" --section SpeedOfLight --section LaunchStats --section Occupancy \
     --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters \
+    --metrics 'regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$' \
     --import-source no --page details --print-summary none \
     "$BIN/fitmoe" bench -m "$MODEL" -p 0 -n 8 -r 1 > "$OUT/ncu-detail.txt" 2> "$OUT/ncu-detail.err"
   tail -n 3 "$OUT/ncu-detail.err"
