@@ -136,10 +136,10 @@ if [ "$WHAT" = ncu ]; then
   for f in "$OUT"/ncu-*.csv; do echo "== $f"; wc -l < "$f"; done
 fi
 
-# Why given kernels take what they take, from Nsight Compute's detailed sections (and the stall reasons
-# per kernel) on a few all-GPU decode launches without graphs, caches kept warm as in a real step: NCU_KERNELS is a regex of kernel
-# names (default: the decode attention, the router, the gate+up and down mat-vecs), NCU_SKIP launches
-# of them skipped first (past the prompt's), NCU_COUNT profiled.
+# Why given kernels take what they take, from Nsight Compute's detailed sections and stall reasons per
+# kernel, on a few all-GPU decode launches without graphs (caches kept warm, as in a real step):
+# NCU_KERNELS is a regex of kernel names (default: the decode attention, the router, the mat-vecs, the
+# residual + norm), NCU_SKIP launches of them are skipped first, NCU_COUNT profiled.
 if [ "$WHAT" = ncu-detail ]; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
   K=${NCU_KERNELS:-attn_dec_group|router_topk|mmvq_kernel|handover|residual_norm}
