@@ -3,15 +3,17 @@
 //               compute capability 9.0) each kernel prefetches its weights into L2 and then waits for
 //               the one before it, as fitmoe's decode kernels do;
 //   persistent: one kernel for all phases, its CTAs resident for the whole run (a cooperative launch),
-//               a grid barrier between phases (three kinds, see grid_barrier); optionally each CTA
-//               hints its share of the next phase's weights into L2 before it arrives.
+//               a grid barrier between phases (four kinds, see grid_barrier); optionally each CTA
+//               hints its share of the next phase's weights into L2 (after its share of the phase, or
+//               before it).
 // Every phase streams its own `bytes` of "weights" (16-byte loads, summed; a mat-vec is latency-bound at
 // these sizes) and reads the previous phase's result, so the phases form one dependent chain like the
 // ~10 kernels of a decode layer. The question it answers: would a persistent decode kernel, with grid
 // barriers where launch boundaries are now, shorten the step, and by how much per boundary?
-//   fitmoe_gpu_phase_sync [phases=480] [reps=20]
+//   fitmoe_gpu_phase_sync [phases=480] [reps=20] [copy GB/s for the floor column=4250, the H200's]
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
@@ -70,25 +72,35 @@ __global__ void __launch_bounds__(kThreads) phase_kernel(const uint4* w, size_t 
 }
 
 // Grid barriers, generation `gen` (= phases done so far, counters never reset within a run; each
-// counter sits in its own 128-byte line). Thread 0 of each CTA arrives with one acquire-release atomic
-// after a __syncthreads, so its release carries the CTA's writes; the CTA passes once it has acquired
-// the generation.
-//   kCount: everyone spins on the one counter the atomics go to;
-//   kFlag:  the last to arrive raises a flag in another line, which the others spin on (reads only);
-//   kTree:  groups of kTreeFan CTAs arrive at their own counter, the last of each group at the top
-//           one, the last there raises the flag (fewer atomics serialized on one line).
-enum Barrier { kCount = 0, kFlag = 1, kTree = 2 };
+// counter sits in its own 128-byte line). Thread 0 of each CTA arrives after a __syncthreads, so its
+// release carries the CTA's writes; the CTA passes once it has acquired the generation.
+//   kCount:    an acquire-release atomic add; everyone spins on that counter;
+//   kCountRed: the same with a release reduction (red: no value comes back, so no round trip);
+//   kFlag:     the last to arrive raises a flag in another line, which the others spin on (reads only);
+//   kTree:     groups of kTreeFan CTAs arrive at their own counter, the last of each group at the top
+//              one, the last there raises the flag (fewer atomics serialized on one line).
+enum Barrier { kCount = 0, kCountRed = 1, kFlag = 2, kTree = 3 };
 constexpr int kTreeFan = 12;
 constexpr int kLine = 32;  // unsigneds per 128-byte line
 
-// ctr: [0] the counter (kCount) / top counter, [kLine] the flag, [2 * kLine + group * kLine] the groups'.
+__device__ __forceinline__ void arrive_release_red(unsigned* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory");
+#else
+  __threadfence();
+  atomicAdd(p, 1u);
+#endif
+}
+
+// ctr: [0] the counter / top counter, [kLine] the flag, [2 * kLine + group * kLine] the groups'.
 __device__ __forceinline__ void grid_barrier(unsigned* ctr, unsigned gen, Barrier kind) {
   __syncthreads();
   if (threadIdx.x == 0) {
     const unsigned n = gridDim.x;
     unsigned* flag = ctr + kLine;
-    if (kind == kCount) {
-      arrive_acq_rel(ctr);
+    if (kind == kCount || kind == kCountRed) {
+      if (kind == kCount) arrive_acq_rel(ctr);
+      else arrive_release_red(ctr);
       while (load_acquire_gpu(ctr) < gen * n) {
       }
     } else if (kind == kFlag) {
@@ -109,11 +121,14 @@ __device__ __forceinline__ void grid_barrier(unsigned* ctr, unsigned gen, Barrie
   __syncthreads();
 }
 
+// prefetch: 0 none; 1 the next phase's weights hinted into L2 after this phase's body, before arriving;
+// 2 at the start of this phase, before its body (as early as a persistent kernel can).
 __global__ void __launch_bounds__(kThreads) persistent_kernel(const uint4* w, size_t n16, float* io, int phases,
                                                               unsigned* ctr, int prefetch, int kind) {
   for (int p = 0; p < phases; ++p) {
+    if (prefetch == 2 && p + 1 < phases) prefetch_share(w + static_cast<size_t>(p + 1) * n16, n16);
     phase_body(w + static_cast<size_t>(p) * n16, n16, io, p);
-    if (prefetch && p + 1 < phases) prefetch_share(w + static_cast<size_t>(p + 1) * n16, n16);
+    if (prefetch == 1 && p + 1 < phases) prefetch_share(w + static_cast<size_t>(p + 1) * n16, n16);
     grid_barrier(ctr, static_cast<unsigned>(p + 1), static_cast<Barrier>(kind));
   }
 }
@@ -145,34 +160,51 @@ int main(int argc, char** argv) {
   CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
   cudaDeviceProp prop{};
   CHECK(cudaGetDeviceProperties(&prop, dev));
-  std::printf("device: %s, %d SMs, %d phases, %d reps, %d threads per CTA, one CTA per SM\n", prop.name, sms, phases,
-              reps, kThreads);
+  std::printf("device: %s, %d SMs, %d phases, %d reps; one %d-thread CTA per SM (PDL,small: 128-thread CTAs of 4 KiB)\n",
+              prop.name, sms, phases, reps, kThreads);
   cudaStream_t s;
   CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaEvent_t ea, eb;
   CHECK(cudaEventCreate(&ea));
   CHECK(cudaEventCreate(&eb));
+  const double copy_gbps = argc > 3 ? std::atof(argv[3]) : 4250.0;
+  const size_t sizes[] = {0, size_t{256} << 10, size_t{2} << 20, size_t{6} << 20};
+  // Small CTAs: 128 threads, 2 words each (4 KiB per CTA, about what one of fitmoe's mat-vec CTAs reads).
+  constexpr unsigned kSmallThreads = 128, kSmallWords = 256;
+  auto small_grid = [&](size_t n16) { return static_cast<unsigned>(n16 ? (n16 + kSmallWords - 1) / kSmallWords : sms); };
+  unsigned max_grid = static_cast<unsigned>(sms);
+  for (size_t b : sizes) max_grid = std::max(max_grid, small_grid(b / 16));
+  // io: [phase][CTA] for the largest grid any variant launches.
+  const size_t io_floats = static_cast<size_t>(phases + 1) * max_grid;
   float* io;
   unsigned* ctr;
   const size_t ctr_bytes = (2 + (sms + kTreeFan - 1) / kTreeFan) * kLine * sizeof(unsigned);
-  CHECK(cudaMalloc(&io, static_cast<size_t>(phases + 1) * sms * sizeof(float)));
-  CHECK(cudaMemset(io, 0, static_cast<size_t>(phases + 1) * sms * sizeof(float)));
+  CHECK(cudaMalloc(&io, io_floats * sizeof(float)));
+  CHECK(cudaMemset(io, 0, io_floats * sizeof(float)));
   CHECK(cudaMalloc(&ctr, ctr_bytes));
 
-  // persistent: barrier kind, then with (+pf) the next phase's weights hinted into L2 before arriving.
-  std::printf("%9s %8s %7s %9s %10s %7s %10s %6s %9s %6s %9s   (us per phase)\n", "bytes", "bw-floor", "chain",
-              "chain+PDL", "PDL,128t", "count", "count+pf", "flag", "flag+pf", "tree", "tree+pf");
-  for (size_t bytes : {size_t{0}, size_t{256} << 10, size_t{2} << 20, size_t{6} << 20}) {
+  struct Variant {
+    const char* name;
+    int kind, prefetch;  // persistent: barrier kind and prefetch mode; kind < 0: a chain
+  };
+  // (chains: -1 plain, -2 PDL, -3 PDL with small CTAs)
+  const Variant variants[] = {{"chain", -1, 0},          {"chain+PDL", -2, 1},     {"PDL,small", -3, 1},
+                              {"count", kCount, 0},      {"count+pf", kCount, 1},  {"count+pfE", kCount, 2},
+                              {"red+pfE", kCountRed, 2}, {"flag+pfE", kFlag, 2},   {"tree+pfE", kTree, 2}};
+  std::printf("us per phase; floor = bytes at %.0f GB/s; pf: next phase hinted into L2 after the body, pfE: before it\n",
+              copy_gbps);
+  std::printf("%9s %7s", "bytes", "floor");
+  for (const Variant& v : variants) std::printf(" %10s", v.name);
+  std::printf("\n");
+  for (size_t bytes : sizes) {
     const size_t n16 = bytes / 16;
     uint4* w = nullptr;
     CHECK(cudaMalloc(&w, (bytes ? bytes : 16) * phases));
     CHECK(cudaMemset(w, 0x3c, (bytes ? bytes : 16) * phases));
     const dim3 grid(sms), block(kThreads);
-
-    // (small: 128-thread CTAs, each thread 8 words, as many CTAs as that takes, like fitmoe's mat-vecs)
     auto chain_graph = [&](bool pdl, bool small) {
-      const dim3 g = small ? dim3(static_cast<unsigned>(n16 ? (n16 + 1023) / 1024 : sms)) : grid;
-      const dim3 b = small ? dim3(128) : block;
+      const dim3 g = small ? dim3(small_grid(n16)) : grid;
+      const dim3 b = small ? dim3(kSmallThreads) : block;
       cudaGraph_t gr;
       cudaGraphExec_t ge;
       CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
@@ -196,33 +228,27 @@ int main(int argc, char** argv) {
       CHECK(cudaGraphDestroy(gr));
       return ge;
     };
-    cudaGraphExec_t plain = chain_graph(false, false);
-    cudaGraphExec_t pdl = major >= 9 ? chain_graph(true, false) : nullptr;
-    cudaGraphExec_t pdl_small = major >= 9 ? chain_graph(true, true) : nullptr;
-    const float t_chain = time_ms(s, ea, eb, reps, [&] { CHECK(cudaGraphLaunch(plain, s)); });
-    const float t_pdl = pdl ? time_ms(s, ea, eb, reps, [&] { CHECK(cudaGraphLaunch(pdl, s)); }) : 0.0f;
-    const float t_small = pdl ? time_ms(s, ea, eb, reps, [&] { CHECK(cudaGraphLaunch(pdl_small, s)); }) : 0.0f;
-    float t_pers[3][2] = {};
-    for (int kind = 0; kind < 3 && coop; ++kind) {
-      for (int pf = 0; pf < 2; ++pf) {
-        t_pers[kind][pf] = time_ms(s, ea, eb, reps, [&] {
+    std::printf("%9zu %7.2f", bytes, bytes / (copy_gbps * 1e9) * 1e6);
+    for (const Variant& v : variants) {
+      float ms = -1.0f;  // not run here
+      if (v.kind < 0 && (v.kind == -1 || major >= 9)) {  // (PDL from compute capability 9.0)
+        cudaGraphExec_t ge = chain_graph(v.kind != -1, v.kind == -3);
+        ms = time_ms(s, ea, eb, reps, [&] { CHECK(cudaGraphLaunch(ge, s)); });
+        CHECK(cudaGraphExecDestroy(ge));
+      } else if (v.kind >= 0 && coop) {
+        ms = time_ms(s, ea, eb, reps, [&] {
           CHECK(cudaMemsetAsync(ctr, 0, ctr_bytes, s));
           const uint4* wp = w;
           size_t n = n16;
-          int ph = phases, pfi = pf, k = kind;
+          int ph = phases, pfi = v.prefetch, k = v.kind;
           void* args[] = {&wp, &n, &io, &ph, &ctr, &pfi, &k};
           CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(persistent_kernel), grid, block, args, 0, s));
         });
       }
+      if (ms < 0) std::printf(" %10s", "n/a");
+      else std::printf(" %10.2f", 1e3 * ms / phases);
     }
-    const double floor_us = bytes / 4.25e12 * 1e6;  // the H200's measured copy bandwidth
-    const double per = 1e3 / phases;
-    std::printf("%9zu %8.2f %7.2f %9.2f %10.2f %7.2f %10.2f %6.2f %9.2f %6.2f %9.2f\n", bytes, floor_us, per * t_chain,
-                per * t_pdl, per * t_small, per * t_pers[0][0], per * t_pers[0][1], per * t_pers[1][0], per * t_pers[1][1],
-                per * t_pers[2][0], per * t_pers[2][1]);
-    CHECK(cudaGraphExecDestroy(plain));
-    if (pdl) CHECK(cudaGraphExecDestroy(pdl));
-    if (pdl_small) CHECK(cudaGraphExecDestroy(pdl_small));
+    std::printf("\n");
     CHECK(cudaFree(w));
   }
   return 0;

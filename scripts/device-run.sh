@@ -89,7 +89,9 @@ if [ "$WHAT" = all ] || [ "$WHAT" = gpu ] || [ "$WHAT" = sync ]; then
   if [ -x "$BIN/fitmoe_gpu_phase_sync" ]; then
     echo "== phase sync: kernel chain (graph, PDL) against a persistent kernel with grid barriers"
     "$BIN/fitmoe_gpu_phase_sync" 480 20 | tee "$OUT/phase-sync.txt"
-    while read -r l; do summary+=("sync $l"); done < <(tail -n +2 "$OUT/phase-sync.txt")
+    while read -r l; do summary+=("sync $l"); done < <(tail -n +3 "$OUT/phase-sync.txt")
+  else
+    echo "== phase sync: no fitmoe_gpu_phase_sync in devbin/ (FITMOE_CUDA=ON scripts/device-prepare.sh builds it)"
   fi
 fi
 
@@ -137,13 +139,15 @@ if [ "$WHAT" = ncu ]; then
 fi
 
 # Why given kernels take what they take, from Nsight Compute's detailed sections and stall reasons per
-# kernel, on a few all-GPU decode launches without graphs (caches kept warm, as in a real step):
-# NCU_KERNELS is a regex of kernel names (default: the decode attention, the router, the mat-vecs, the
-# residual + norm), NCU_SKIP launches of them are skipped first, NCU_COUNT profiled.
+# kernel, on a few all-GPU decode launches without graphs. The sections take many replays of each
+# kernel, so the caches are flushed before each (--cache-control all): a real step reads its weights
+# cold, though its activations come warm from L2. NCU_KERNELS is a regex of kernel names (default: the
+# decode attention, the router, the mat-vecs, the residual + norm), NCU_SKIP launches of them are
+# skipped first, NCU_COUNT profiled.
 if [ "$WHAT" = ncu-detail ]; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
-  K=${NCU_KERNELS:-attn_dec_group|router_topk|mmvq_kernel|handover|residual_norm}
-  FITMOE_NO_GRAPHS=1 ncu --clock-control none --cache-control none --kernel-name "regex:$K" --launch-skip "${NCU_SKIP:-400}" \
+  K=${NCU_KERNELS:-attn_dec_group|router_topk|mmvq_kernel|residual_norm}
+  FITMOE_NO_GRAPHS=1 ncu --clock-control none --cache-control all --kernel-name "regex:$K" --launch-skip "${NCU_SKIP:-400}" \
     --launch-count "${NCU_COUNT:-24}" --section SpeedOfLight --section LaunchStats --section Occupancy \
     --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters \
     --metrics 'regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$' \

@@ -2357,10 +2357,10 @@ bool launch_attention(AttnArgs& a, void* scratch, size_t scratch_bytes, cudaStre
 // ================================ routing =========================================================
 
 // The warp's largest (value, index) pair, the lower index on ties, in every lane. The routing's values
-// are probabilities (>= +0, never NaN here) or -1 with index INT_MAX for "none"; from compute capability
-// 8.0 two warp reductions do it (the bits of a non-negative float order like the float, +1 so that 0
-// means none; then the lowest index among the lanes holding the maximum), a butterfly of five shuffle
-// rounds before.
+// are probabilities (>= +0, never -0 or NaN: expf() times a positive 1/sum, and the callers only take
+// p > bv) or -1 with index INT_MAX for "none". From compute capability 8.0 two warp reductions do it
+// (the bits of a non-negative float order like the float, +1 so that 0 means none; then the lowest
+// index among the lanes holding the maximum), a butterfly of five shuffle rounds before.
 __device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned key = bv >= 0.0f ? __float_as_uint(bv) + 1u : 0u;
