@@ -12,14 +12,14 @@ TARGETS="fitmoe fitmoe_tests"
 case "$CUDA" in ON|on|1|TRUE|true|YES|yes) GPU_BENCH=1; TARGETS="$TARGETS fitmoe_gpu_phase_sync" ;; *) GPU_BENCH=0 ;; esac
 cmake --build build-dev --target $TARGETS
 mkdir -p devbin testdata-local
-# Compressed: the GPU kernels make each binary ~15 MiB and the carry limit is 64 MiB in all.
+# Compressed with xz (scripts/device-lib.sh unpacks them there): the GPU kernels make each binary
+# ~30 MiB, ~5.4 MiB packed, and the carry limit is 64 MiB in all, fixtures included (~44 MiB). For an
+# A/B add another commit's build as devbin/fitmoe_old.xz.
 rm -f devbin/*
-strip -o devbin/fitmoe build-dev/fitmoe && gzip -f devbin/fitmoe
-strip -o devbin/fitmoe_tests build-dev/tests/fitmoe_tests && gzip -f devbin/fitmoe_tests
-if [ "$GPU_BENCH" = 1 ]; then
-  strip -o devbin/fitmoe_gpu_phase_sync build-dev/fitmoe_gpu_phase_sync
-  gzip -f devbin/fitmoe_gpu_phase_sync
-fi
+pack() { strip -o "devbin/$2" "$1" && xz -9 -T0 -f "devbin/$2"; }
+pack build-dev/fitmoe fitmoe
+pack build-dev/tests/fitmoe_tests fitmoe_tests
+if [ "$GPU_BENCH" = 1 ]; then pack build-dev/fitmoe_gpu_phase_sync fitmoe_gpu_phase_sync; fi
 TD=${FITMOE_TESTDATA:-../shared/testdata}
 for d in quant-vectors qwen3moe-tiny qwen3-draft; do
   rm -rf "testdata-local/$d" && cp -r "$TD/$d" "testdata-local/$d"
@@ -27,7 +27,7 @@ done
 # The reference's llama-bench for scripts/device-reference.sh (built elsewhere from its public source).
 if [ -n "${FITMOE_REF_BIN:-}" ]; then
   mkdir -p refbin && rm -f refbin/*
-  strip -o refbin/llama-bench "$FITMOE_REF_BIN" && gzip -f refbin/llama-bench
+  strip -o refbin/llama-bench "$FITMOE_REF_BIN" && xz -9 -T0 -f refbin/llama-bench
   du -sh refbin
 fi
 du -sh devbin testdata-local

@@ -12,10 +12,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=/tmp/fitmoe-bin
 mkdir -p "$BIN"
-for f in devbin/*.gz refbin/*.gz; do
-  [ -f "$f" ] || continue
-  gzip -dc "$f" > "$BIN/$(basename "$f" .gz)" && chmod +x "$BIN/$(basename "$f" .gz)"
-done
+. scripts/device-lib.sh
+unpack_bins devbin/* refbin/*
 export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/usr/local/cuda/lib64
 # The reference's build links NCCL dynamically; the device image has it in its Python packages.
 nccl=$(find / -name 'libnccl.so.2' -not -path '/proc/*' 2>/dev/null | head -n 1)

@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 WHAT=${1:-all}
 BIN=/tmp/fitmoe-bin
 mkdir -p "$BIN"
-for f in devbin/*.gz; do gzip -dc "$f" > "$BIN/$(basename "$f" .gz)"; chmod +x "$BIN/$(basename "$f" .gz)"; done
+. scripts/device-lib.sh
+unpack_bins devbin/*
 OUT=${OUT:-/tmp/fitmoe-out}
 mkdir -p "$OUT"
 export FITMOE_TESTDATA=$PWD/testdata-local
@@ -66,11 +67,11 @@ if [ "$WHAT" = profile ]; then
   done
 fi
 
-# A/B: devbin/fitmoe_old.gz (another commit's build) beside devbin/fitmoe on the same machine, the two
+# A/B: devbin/fitmoe_old.xz (another commit's build) beside devbin/fitmoe on the same machine, the two
 # interleaved twice per configuration so that drift hits both: AB_ARGS (default decode only).
 if [ "$WHAT" = ab ]; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
-  [ -x "$BIN/fitmoe_old" ] || { echo "no devbin/fitmoe_old.gz"; exit 1; }
+  [ -x "$BIN/fitmoe_old" ] || { echo "no devbin/fitmoe_old.xz (xz -9 of another commit's stripped build)"; exit 1; }
   ARGS=${AB_ARGS:--p 0 -n 128 -r 3}
   for flags in "" "--vram 8G"; do
     for round in 1 2; do
@@ -130,8 +131,8 @@ if [ "$WHAT" = ncu ]; then
   NCU="ncu --clock-control none --cache-control ${NCU_CACHE:-none} --metrics gpu__time_duration.sum --print-summary per-kernel --csv"
   FITMOE_NO_GRAPHS=1 $NCU "$BIN/fitmoe" bench -m "$MODEL" -p 0 -n 1 -r 1 > "$OUT/ncu-fitmoe.csv" 2> "$OUT/ncu-fitmoe.err"
   tail -n 3 "$OUT/ncu-fitmoe.err"
-  if [ -f refbin/llama-bench.gz ]; then
-    gzip -dc refbin/llama-bench.gz > "$BIN/llama-bench" && chmod +x "$BIN/llama-bench"
+  unpack_bins refbin/*
+  if [ -x "$BIN/llama-bench" ]; then
     $NCU "$BIN/llama-bench" -m "$MODEL" -ngl 99 -fa on -p 0 -n 1 -r 1 > "$OUT/ncu-reference.csv" 2> "$OUT/ncu-reference.err"
     tail -n 3 "$OUT/ncu-reference.err"
   fi
