@@ -2,11 +2,19 @@
 # The one script for the GPU machine (device tool): runs the tests there, then the benchmarks, and
 # prints a short table last. Binaries come prebuilt from the dev machine (scripts/device-prepare.sh puts
 # them and the test fixtures into git-ignored folders that the run carries).
-#   scripts/device-run.sh [all|tests|cpu|gpu|gputests|gpubench|profile|skip|ab|sync|ncu|ncu-detail|nsys]   (SKIP_CONFIGS names GPU configs to skip)
+#   scripts/device-run.sh [MODE...]   MODE: all (default) tests cpu gpu gputests gpubench profile skip ab sync ncu
+#                                     ncu-detail nsys; several in one call run in this file's order
+#   (SKIP_CONFIGS names GPU configs to skip)
 # profile: where a decode step's GPU time goes, per op (FITMOE_PROFILE=1), all on the GPU and at 8 GiB.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHAT=${1:-all}
+WHATS=("${@:-all}")  # several modes run in one call, in this script's order (one device start for all)
+# want MODE...: whether any of these modes was asked for.
+want() {
+  local m w
+  for m in "$@"; do for w in "${WHATS[@]}"; do [ "$m" = "$w" ] && return 0; done; done
+  return 1
+}
 BIN=/tmp/fitmoe-bin
 mkdir -p "$BIN"
 . scripts/device-lib.sh
@@ -23,20 +31,20 @@ echo "cores: $(nproc); $(lscpu | grep 'Model name' | sed 's/  */ /g'); $(ldd --v
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$BIN/fitmoe" --version || { echo "the prebuilt binary does not run here"; ldd "$BIN/fitmoe"; exit 1; }
 
-if [ "$WHAT" = all ] || [ "$WHAT" = tests ]; then
+if want all tests; then
   echo "== tests (every ISA this CPU has; tokenizer tests need fixtures not carried)"
   "$BIN/fitmoe_tests" --gtest_filter='-*Tokenizer*:*Chat*:Cli.*:Gguf.ReadsEveryTestdataModel' --gtest_brief=1 2>&1 | tail -n 25
   summary+=("tests: $("$BIN/fitmoe_tests" --gtest_filter='-*Tokenizer*:*Chat*:Cli.*:Gguf.ReadsEveryTestdataModel' 2>&1 | grep -E '^\[  (PASSED|FAILED)' | tr '\n' ' ')")
 fi
 
-if [ "$WHAT" = all ] || [ "$WHAT" = gpu ] || [ "$WHAT" = gputests ]; then
+if want all gpu gputests; then
   echo "== GPU tests: kernels against the CPU reference, models against the reference fixtures"
   "$BIN/fitmoe_tests" --gtest_filter='Gpu*:*Gpu*:MoeGemm*' > "$OUT/gpu-tests.log" 2>&1
   grep -E 'Failure|FAILED|first differing|got .* want|error' -A2 "$OUT/gpu-tests.log" | grep -v 'GetParam' | head -n 40
   summary+=("gpu tests: $(grep -E '^\[  PASSED|^\[  FAILED  \] [0-9]+ test' "$OUT/gpu-tests.log" | tr '\n' ' ')")
 fi
 
-if [ "$WHAT" = all ] || [ "$WHAT" = gpu ] || [ "$WHAT" = gpubench ]; then
+if want all gpu gpubench; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
   ARGS=${GPU_BENCH_ARGS:--p 512,2048 -n 128 -r 3}
   # vram-8G picks its micro-batch itself (2048 when experts stay on the host); -ub512 is the
@@ -59,7 +67,7 @@ PY
   done
 fi
 
-if [ "$WHAT" = profile ]; then
+if want profile; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
   for flags in "" "--vram 8G"; do
     echo "== decode profile ${flags:-all on the GPU}"
@@ -69,7 +77,7 @@ fi
 
 # A/B: devbin/fitmoe_old.xz (another commit's build) beside devbin/fitmoe on the same machine, the two
 # interleaved twice per configuration so that drift hits both: AB_ARGS (default decode only).
-if [ "$WHAT" = ab ]; then
+if want ab; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
   [ -x "$BIN/fitmoe_old" ] || { echo "no devbin/fitmoe_old.xz (xz -9 of another commit's stripped build)"; exit 1; }
   ARGS=${AB_ARGS:--p 0 -n 128 -r 3}
@@ -86,7 +94,7 @@ fi
 
 # What a launch boundary costs against a grid barrier in a persistent kernel (bench/gpu_phase_sync.cu):
 # chains of dependent phases, each streaming 0 B to 6 MiB of its own weights, both ways.
-if [ "$WHAT" = all ] || [ "$WHAT" = gpu ] || [ "$WHAT" = sync ]; then
+if want all gpu sync; then
   if [ -x "$BIN/fitmoe_gpu_phase_sync" ]; then
     echo "== phase sync: kernel chain (graph, PDL) against a persistent kernel with grid barriers"
     "$BIN/fitmoe_gpu_phase_sync" 480 20 | tee "$OUT/phase-sync.txt"
@@ -99,7 +107,7 @@ fi
 # Each kernel's cost on the critical path of an all-GPU decode step (no nsys on the lent machines):
 # decode timed with all the graph nodes of one kernel disabled (FITMOE_SKIP_KERNELS, outputs wrong),
 # against the full step; the difference per layer is what that kernel costs. SKIP_FLAGS adds flags.
-if [ "$WHAT" = skip ]; then
+if want skip; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
   FLAGS=${SKIP_FLAGS:-}          # e.g. "--vram 8G": the hybrid step (never skip the router there: the CPU waits for it)
   ARGS=${SKIP_ARGS:--p 0 -n 128 -r 3}
@@ -126,7 +134,7 @@ fi
 
 # Kernel durations of one decode step from Nsight Compute (where the runtime lets it read the GPU), for
 # fitmoe and, when refbin/ holds it, the reference: the per-kernel summary (count, mean duration).
-if [ "$WHAT" = ncu ]; then
+if want ncu; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
   NCU="ncu --clock-control none --cache-control ${NCU_CACHE:-none} --metrics gpu__time_duration.sum --print-summary per-kernel --csv"
   FITMOE_NO_GRAPHS=1 $NCU "$BIN/fitmoe" bench -m "$MODEL" -p 0 -n 1 -r 1 > "$OUT/ncu-fitmoe.csv" 2> "$OUT/ncu-fitmoe.err"
@@ -145,7 +153,7 @@ fi
 # cold, though its activations come warm from L2. NCU_KERNELS is a regex of kernel names (default: the
 # decode attention, the router, the mat-vecs, the residual + norm), NCU_SKIP launches of them are
 # skipped first, NCU_COUNT profiled.
-if [ "$WHAT" = ncu-detail ]; then
+if want ncu-detail; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
   K=${NCU_KERNELS:-attn_dec_group|router_topk|mmvq_kernel|residual_norm}
   FITMOE_NO_GRAPHS=1 ncu --clock-control none --cache-control all --kernel-name "regex:$K" --launch-skip "${NCU_SKIP:-400}" \
@@ -162,7 +170,7 @@ fi
 # A decode timeline from Nsight Systems (CUDA graphs traced per node): kernels overlap under programmatic
 # dependent launch, so each kernel's cost on the step's critical path is read as the time from the end
 # of the kernel before it to its own end; mean of that per kernel name, per decode step.
-if [ "$WHAT" = nsys ]; then
+if want nsys; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
   NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
   [ -n "$NSYS" ] || { echo "no nsys here"; exit 0; }
@@ -175,7 +183,7 @@ if [ "$WHAT" = nsys ]; then
   done
 fi
 
-if [ "$WHAT" = all ] || [ "$WHAT" = cpu ]; then
+if want all cpu; then
   echo "== gen-model: full Qwen3-30B-A3B shape, Q4_K_M"
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
   echo "== CPU bench, $(nproc) threads"
