@@ -6,7 +6,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <string>
 
 #include "model/model.h"
 #include "runtime/error.h"
@@ -230,22 +233,45 @@ TEST(Plan, GpuShareOfHostExperts) {
   EXPECT_EQ(plan_for(PlanOptions{}).host_experts_gpu_share, 0.0);  // every expert on the GPU
 }
 
-// The huge-page count behind the load message: within [0, n] for a mapping of our own, and where
-// transparent huge pages are on and the kernel gave them, at least one 2 MiB page of an aligned,
-// touched region asked for with MADV_HUGEPAGE (the kernel may refuse: then only the bounds hold).
-TEST(Machine, HugePageBytesOfAMapping) {
-  const size_t n = 8u << 20;
-  void* raw = mmap(nullptr, n + (2u << 20), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  ASSERT_NE(raw, MAP_FAILED);
-  auto* p = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + (2u << 20) - 1) & ~uintptr_t((2u << 20) - 1));
-  madvise(p, n, MADV_HUGEPAGE);
-  std::memset(p, 1, n);
-  const int64_t huge = huge_page_bytes(p, n);
-  if (huge >= 0) {
-    EXPECT_LE(huge, static_cast<int64_t>(n));
-    EXPECT_EQ(huge % (2 << 20), 0) << "AnonHugePages counts whole 2 MiB pages";
+// The huge-page count behind the load message, against the kernel's own count for the mapping: an
+// aligned 8 MiB region asked for with MADV_HUGEPAGE gets a mapping of its own (madvise splits it off),
+// whose AnonHugePages line in /proc/self/smaps is read here by exact address (whether the kernel gives
+// huge pages at all varies; the two counts must agree either way). A region asked for with
+// MADV_NOHUGEPAGE must count zero.
+namespace {
+int64_t anon_huge_of_exact_mapping(const void* p, size_t n) {
+  std::ifstream in("/proc/self/smaps");
+  char head[64];
+  std::snprintf(head, sizeof head, "%lx-%lx ", static_cast<unsigned long>(reinterpret_cast<uintptr_t>(p)),
+                static_cast<unsigned long>(reinterpret_cast<uintptr_t>(p) + n));
+  bool in_it = false;
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(head, 0) == 0) in_it = true;
+    unsigned long long kb = 0;
+    if (in_it && std::sscanf(line.c_str(), "AnonHugePages: %llu kB", &kb) == 1) return static_cast<int64_t>(kb * 1024);
   }
+  return -1;
+}
+}  // namespace
+
+TEST(Machine, HugePageBytesOfAMapping) {
+  const size_t n = 8u << 20, huge2m = 2u << 20;
+  void* raw = mmap(nullptr, 2 * n + huge2m, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(raw, MAP_FAILED);
+  auto* p = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + huge2m - 1) & ~uintptr_t(huge2m - 1));
+  uint8_t* q = p + n;  // the second region, without huge pages
+  madvise(p, n, MADV_HUGEPAGE);
+  madvise(q, n, MADV_NOHUGEPAGE);
+  std::memset(p, 1, 2 * n);
+  const int64_t huge = huge_page_bytes(p, n);
+  ASSERT_GE(huge, 0) << "/proc/self/smaps is readable on Linux";
+  EXPECT_LE(huge, static_cast<int64_t>(n));
+  EXPECT_EQ(huge % huge2m, 0) << "AnonHugePages counts whole 2 MiB pages";
+  const int64_t want = anon_huge_of_exact_mapping(p, n);
+  ASSERT_GE(want, 0) << "madvise gave the region a mapping of its own";
+  EXPECT_EQ(huge, want);
+  EXPECT_EQ(huge_page_bytes(q, n), 0) << "MADV_NOHUGEPAGE";
   EXPECT_LE(huge_page_bytes(p, 4096), 4096) << "never more than the range asked about";
   EXPECT_FALSE(huge_page_policy().empty());
-  munmap(raw, n + (2u << 20));
+  munmap(raw, 2 * n + huge2m);
 }

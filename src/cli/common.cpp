@@ -76,7 +76,7 @@ std::unique_ptr<Model> load_model(const ModelOptions& o) {
     std::fprintf(stderr, "%s\n", m->plan().summary_line().c_str());
     const uint64_t bytes = m->file().data_bytes();
     const int64_t huge = huge_page_bytes(m->file().data_begin(), bytes);
-    std::string pages = huge < 0 ? "" : ", " + std::to_string(static_cast<int>(100.0 * huge / std::max<uint64_t>(bytes, 1))) +
+    const std::string pages = huge < 0 ? "" : ", " + std::to_string(static_cast<int>(100.0 * huge / std::max<uint64_t>(bytes, 1))) +
                                            "% in 2 MiB pages";
     std::fprintf(stderr, "pinned: %s of host memory hold the weights%s (the CPU computes its experts from them, prefill "
                  "streams them to the GPU)\n", human_bytes(static_cast<double>(bytes)).c_str(), pages.c_str());
