@@ -320,9 +320,10 @@ TEST_F(GpuOps, MatvecMultiEqualsSeparateMatvecs) {
 // route_topk, twice in a row (the completion counter must come back to 0), and a refusal (false)
 // where it does not apply.
 TEST_F(GpuOps, RouterTopkEqualsMatvecAndRouteTopk) {
-  // The fused router ranks its experts in one CTA, route_topk takes k arg-max rounds in a warp: the same
-  // choices and weights for every expert count the fused router takes, ties (duplicated router rows
-  // give equal probabilities: the lower index first) and NaN inputs included.
+  // The fused router (product, then routing in its last CTA) against the product and route_topk in two
+  // launches: the same logits, choices and weights for every expert count the fused router takes, ties
+  // (duplicated router rows give equal probabilities: the lower index first) and NaN inputs included.
+  // (RouteTopkEveryExpertCount holds the routing itself against the CPU's.)
   const int64_t cols = 512;
   Dev done(sizeof(unsigned));
   cudaMemset(done.as(), 0, sizeof(unsigned));
