@@ -3,7 +3,7 @@
 # prints a short table last. Binaries come prebuilt from the dev machine (scripts/device-prepare.sh puts
 # them and the test fixtures into git-ignored folders that the run carries).
 #   scripts/device-run.sh [MODE...]   MODE: all (default) tests cpu gpu gputests gpubench profile skip ab sync ncu
-#                                     ncu-detail nsys; several in one call run in this file's order
+#                                     ncu-detail nsys toggles; several in one call run in this file's order
 #   (SKIP_CONFIGS names GPU configs to skip)
 # profile: where a decode step's GPU time goes, per op (FITMOE_PROFILE=1), all on the GPU and at 8 GiB.
 set -uo pipefail
@@ -88,6 +88,24 @@ if want ab; then
         line="ab ${flags:-all-gpu} round $round $b: $r"
         echo "$line"; summary+=("$line")
       done
+    done
+  done
+fi
+
+# Measuring knobs (environment variables) of one binary, interleaved in ROUNDS rounds (default 2):
+# TOGGLES="name|VAR=1 VAR2=x;name2|..." (';' between configurations; the name "old" runs
+# devbin/fitmoe_old instead), each run `fitmoe bench -m M $AB_ARGS` (default all on the GPU, tg128).
+if want toggles; then
+  [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
+  ARGS=${AB_ARGS:--p 0 -n 128 -r 3}
+  IFS=';' read -ra cfgs <<< "${TOGGLES:-base|}"
+  for round in $(seq "${ROUNDS:-2}"); do
+    for cfg in "${cfgs[@]}"; do
+      name=${cfg%%|*}; envs=${cfg#*|}; b=fitmoe
+      [ "$name" = old ] && b=fitmoe_old
+      r=$(env $envs "$BIN/$b" bench -m "$MODEL" $ARGS 2>/dev/null | grep '^|' | tail -n +3 | awk -F'|' '{printf "%s %s; ", $7, $8}')
+      line="toggle $name ($envs) round $round: $r"
+      echo "$line"; summary+=("$line")
     done
   done
 fi

@@ -197,6 +197,107 @@ __device__ __forceinline__ float block_dot(const WPart& w, const APart& x, int p
   return acc;
 }
 
+// ================================ routing (in registers) ==========================================
+
+// The warp's largest (value, index) pair, the lower index on ties, in every lane. The routing's values
+// are probabilities (>= +0, never -0 or NaN: expf() times a positive 1/sum, and the callers only take
+// p > bv) or -1 with index INT_MAX for "none". From compute capability 8.0 two warp reductions do it
+// (the bits of a non-negative float order like the float, +1 so that 0 means none; then the lowest
+// index among the lanes holding the maximum), a butterfly of five shuffle rounds before.
+__device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned key = bv >= 0.0f ? __float_as_uint(bv) + 1u : 0u;
+  const unsigned m = __reduce_max_sync(kFull, key);
+  bi = static_cast<int>(__reduce_min_sync(kFull, key == m ? static_cast<unsigned>(bi) : static_cast<unsigned>(INT_MAX)));
+  bv = m ? __uint_as_float(m - 1u) : -1.0f;
+#else
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(kFull, bv, o);
+    const int oi = __shfl_xor_sync(kFull, bi, o);
+    if (ov > bv || (ov == bv && oi < bi)) {
+      bv = ov;
+      bi = oi;
+    }
+  }
+#endif
+}
+
+// The end of a token's routing: choice j sits in lane j % 32 (my_w, my_i); the chosen weights are
+// summed in choice order (in double) and each lane writes its own choice, renormalised.
+__device__ __forceinline__ void write_renormalised(float my_w, int my_i, int k, int32_t* ti, float* tw) {
+  const int lane = threadIdx.x & 31;
+  double ws = 0.0;
+#pragma unroll 8
+  for (int j = 0; j < k; ++j) ws += static_cast<double>(__shfl_sync(kFull, my_w, j));  // (the shuffles overlap)
+  const float s = fmaxf(static_cast<float>(ws), 6.103515625e-5f);
+  if (lane < k) {
+    ti[lane] = my_i;
+    tw[lane] = __fdiv_rn(my_w, s);
+  }
+}
+
+// Token t's routing by one warp, for up to 32 * VPL experts: lane l holds experts l, l + 32, ... in
+// registers, so that the logits are loaded all at once and the softmax and the k rounds of the top-k
+// touch no memory (the shared-memory version below, for more experts, is latency-bound: about 4 us).
+// The same results as the shared-memory version: the same per-lane order of the double sum, strict '>'
+// in ascending expert order per lane and the lower index on ties across lanes.
+template <int VPL>
+__device__ __forceinline__ void route_choose_regs(const float* l, int n_expert, int k, float& my_w, int& my_i) {
+  const int lane = threadIdx.x & 31;
+  float p[VPL];
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) p[i] = lane + 32 * i < n_expert ? __ldcg(l + lane + 32 * i) : -INFINITY;
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < VPL; ++i)
+    if (lane + 32 * i < n_expert) mx = fmaxf(mx, p[i]);
+  mx = warp_max(mx);
+  double sum = 0.0;
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) {
+    if (lane + 32 * i < n_expert) {
+      p[i] = expf(__fsub_rn(p[i], mx));
+      sum += static_cast<double>(p[i]);
+    }
+  }
+  sum = warp_sum(sum);
+  const float inv = static_cast<float>(__drcp_rn(sum));  // (= 1.0 / sum, correctly rounded)
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) p[i] = lane + 32 * i < n_expert ? __fmul_rn(p[i], inv) : -3.0f;  // never chosen
+  my_w = 0.0f;
+  my_i = 0;
+  for (int j = 0; j < k; ++j) {
+    float bv = -1.0f;
+    int bi = INT_MAX;
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      if (p[i] > bv) {
+        bv = p[i];
+        bi = lane + 32 * i;
+      }
+    }
+    warp_argmax(bv, bi);
+    if ((j & 31) == lane) my_w = bv, my_i = bi;
+#pragma unroll
+    for (int i = 0; i < VPL; ++i)
+      if (lane + 32 * i == bi) p[i] = -2.0f;  // taken (NaN logits leave bi out of range: nothing taken)
+  }
+}
+template <int VPL>
+__device__ void route_topk_warp_regs(const float* logits, int n_expert, int k, int32_t* ids, float* weights, int t) {
+  float my_w;
+  int my_i;
+  route_choose_regs<VPL>(logits + static_cast<int64_t>(t) * n_expert, n_expert, k, my_w, my_i);
+  write_renormalised(my_w, my_i, k, ids + static_cast<int64_t>(t) * k, weights + static_cast<int64_t>(t) * k);
+}
+// One token's choices in the warp's registers, for up to 256 experts (the experts kernel that routes
+// for itself; the callers check the count: 512 would cost that kernel registers).
+__device__ __forceinline__ void route_choose(const float* l, int n_expert, int k, float& my_w, int& my_i) {
+  if (n_expert <= 128) route_choose_regs<4>(l, n_expert, k, my_w, my_i);
+  else route_choose_regs<8>(l, n_expert, k, my_w, my_i);
+}
+
 // ================================ mat-vec kernels =================================================
 
 constexpr int kMaxMatvecs = 4;  // matvec_multi
@@ -223,6 +324,13 @@ struct MvArgs {
   size_t seg_row_bytes[kMaxMatvecs];
   bool seg_alt[kMaxMatvecs];  // segment of the kernel's second type
   unsigned seg_cta[kMaxMatvecs + 1];
+  // Gated experts that route for themselves (mmvq_glu_routed_kernel: one token, ids null): each CTA
+  // makes the routing's choices from the router's logits (route_n experts, route_k chosen) and takes
+  // slot blockIdx.y's; CTA (0, 0) writes the choices and their weights to route_ids / route_wts.
+  const float* route_logits;
+  int route_n, route_k;
+  int32_t* route_ids;
+  float* route_wts;
 };
 
 constexpr int kMvWarps = 4;  // warps per CTA; each warp owns R rows
@@ -247,7 +355,7 @@ __device__ __forceinline__ bool mv_slot(const MvArgs& a, const uint8_t*& wm, con
 // Quantized weights: one warp per R rows, lanes over the 32-value parts of the row; every weight part
 // is decoded once and used for all NT (<= NT) tokens. GLU: the same rows of a second matrix (up) too,
 // and the output is silu(gate) * up exactly as swiglu_kernel computes it.
-template <DType T, int NT, int R, bool GLU>
+template <DType T, int NT, int R, bool GLU, int U = 2>
 __device__ __forceinline__ void mmvq_rows(const MvArgs& a, const uint8_t* wm, const uint8_t* wm2, size_t row_bytes,
                                           const uint8_t* acts, float* y, int64_t rows, int64_t ld_y, int64_t row0,
                                           int lane) {
@@ -265,8 +373,9 @@ __device__ __forceinline__ void mmvq_rows(const MvArgs& a, const uint8_t* wm, co
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc2[r][t] = 0.0f;
 
-  // Two sweeps unrolled: a 2048-wide row is two sweeps, and their loads can then be in flight together.
-#pragma unroll 2
+  // U sweeps unrolled (two by default: a 2048-wide row is two sweeps, and their loads can then be in
+  // flight together).
+#pragma unroll U
   for (int64_t base = 0; base < nparts; base += 32) {
     const int64_t part = base + lane;
     const bool active = part < nparts;
@@ -324,7 +433,7 @@ __device__ __forceinline__ void mmvq_rows(const MvArgs& a, const uint8_t* wm, co
 
 // The kernel around mmvq_rows: resolves the segment (matvec_multi) or the expert slot. Segments flagged
 // seg_alt hold type T2 (another type with the same activation format, e.g. Q6_K v beside Q4_K q and k).
-template <DType T, int NT, int R, bool GLU = false, DType T2 = T>
+template <DType T, int NT, int R, bool GLU = false, DType T2 = T, int U = 2>
 __global__ void __launch_bounds__(kMvWarps * 32) mmvq_kernel(const MvArgs a) {
   int sg = -1;  // matvec_multi: this CTA's segment
   unsigned bx = blockIdx.x;
@@ -355,11 +464,44 @@ __global__ void __launch_bounds__(kMvWarps * 32) mmvq_kernel(const MvArgs a) {
   if (row0 >= rows) return;
   if constexpr (T2 != T) {
     if (sg >= 0 && a.seg_alt[sg]) {
-      mmvq_rows<T2, NT, R, GLU>(a, wm, wm2, row_bytes, acts, y, rows, ld_y, row0, lane);
+      mmvq_rows<T2, NT, R, GLU, U>(a, wm, wm2, row_bytes, acts, y, rows, ld_y, row0, lane);
       return;
     }
   }
-  mmvq_rows<T, NT, R, GLU>(a, wm, wm2, row_bytes, acts, y, rows, ld_y, row0, lane);
+  mmvq_rows<T, NT, R, GLU, U>(a, wm, wm2, row_bytes, acts, y, rows, ld_y, row0, lane);
+}
+
+// Gated experts that route for themselves (see MvArgs::route_logits): one token, slot blockIdx.y, two
+// rows per warp as mmvq_kernel's gated form. Warp 0 makes the choices (the other warps would take as
+// long to make them too) and hands the slot's matrix over in shared memory. A kernel of its own, held
+// to the gated form's 80 registers (six CTAs per SM: the 768 CTAs of a 768-row, 8-expert layer in one
+// wave on the H200; 96 when left free). A choice out of range (NaN logits choose nothing) or on the
+// host gets NaN rows, so that the failure shows instead of stale values.
+template <DType T>
+__global__ void __launch_bounds__(kMvWarps * 32, 6) mmvq_glu_routed_kernel(const MvArgs a) {
+  pdl_enter();
+  __shared__ int m_sh;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * kMvWarps + warp) * 2;
+  if (warp == 0) {
+    const int j = blockIdx.y;
+    float my_w;
+    int my_i;
+    route_choose(a.route_logits, a.route_n, a.route_k, my_w, my_i);
+    if (blockIdx.x == 0 && j == 0) write_renormalised(my_w, my_i, a.route_k, a.route_ids, a.route_wts);
+    const int e = __shfl_sync(kFull, my_i, j);
+    if (lane == 0) m_sh = e >= 0 && e < a.route_n ? (a.slot_of ? a.slot_of[e] : e) : -1;
+  }
+  __syncthreads();
+  const int m = m_sh;
+  float* y = a.y + static_cast<int64_t>(blockIdx.y) * a.ld_y;
+  if (m < 0) {
+    if (lane < 2 && row0 + lane < a.rows) y[row0 + lane] = __int_as_float(0x7fc00000);
+    return;
+  }
+  if (row0 >= a.rows) return;
+  const uint8_t* wm = a.w + static_cast<size_t>(m) * a.mat_bytes;
+  mmvq_rows<T, 1, 2, true>(a, wm, a.w2 + (wm - a.w), a.row_bytes, a.acts, y, a.rows, a.ld_y, row0, lane);
 }
 
 // Float weights (F32/F16/BF16 with activations of the same type): one warp per row, lanes over
@@ -539,6 +681,16 @@ __global__ void __launch_bounds__(MAXK * 32) mmvq_combine_kernel(const MvArgs a,
   a.y[t * a.ld_y + row0 + r] = o;
 }
 
+// FITMOE_MV_UNROLL=4 (being measured): single-token dense products over rows of three or four sweeps
+// (e.g. the attention output, 4096 wide) with all their loads in flight at once.
+bool mv_unroll4() {
+  static const bool on = [] {
+    const char* e = std::getenv("FITMOE_MV_UNROLL");
+    return e && std::atoi(e) == 4;
+  }();
+  return on;
+}
+
 template <DType T, int NT, DType T2 = T>
 void launch_mvq_nt(const MvArgs& a0, unsigned n_slots, cudaStream_t s) {
   constexpr int R = NT == 1 ? 1 : 2;
@@ -548,6 +700,12 @@ void launch_mvq_nt(const MvArgs& a0, unsigned n_slots, cudaStream_t s) {
     a.seg_cta[0] = 0;
     for (int i = 0; i < a.n_seg; ++i) a.seg_cta[i + 1] = a.seg_cta[i] + blocks_for(a.seg_rows[i], kMvWarps * R);
     ctas = a.seg_cta[a.n_seg];
+  }
+  if constexpr (NT == 1) {
+    if (!a.ids && a.cols > 64 * 32 && a.cols <= 128 * 32 && mv_unroll4()) {
+      launch(mmvq_kernel<T, NT, R, false, T2, 4>, dim3(ctas, n_slots), kMvWarps * 32, 0, s, a);
+      return;
+    }
   }
   launch(mmvq_kernel<T, NT, R, false, T2>, dim3(ctas, n_slots), kMvWarps * 32, 0, s, a);
 }
@@ -2356,94 +2514,6 @@ bool launch_attention(AttnArgs& a, void* scratch, size_t scratch_bytes, cudaStre
 
 // ================================ routing =========================================================
 
-// The warp's largest (value, index) pair, the lower index on ties, in every lane. The routing's values
-// are probabilities (>= +0, never -0 or NaN: expf() times a positive 1/sum, and the callers only take
-// p > bv) or -1 with index INT_MAX for "none". From compute capability 8.0 two warp reductions do it
-// (the bits of a non-negative float order like the float, +1 so that 0 means none; then the lowest
-// index among the lanes holding the maximum), a butterfly of five shuffle rounds before.
-__device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned key = bv >= 0.0f ? __float_as_uint(bv) + 1u : 0u;
-  const unsigned m = __reduce_max_sync(kFull, key);
-  bi = static_cast<int>(__reduce_min_sync(kFull, key == m ? static_cast<unsigned>(bi) : static_cast<unsigned>(INT_MAX)));
-  bv = m ? __uint_as_float(m - 1u) : -1.0f;
-#else
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(kFull, bv, o);
-    const int oi = __shfl_xor_sync(kFull, bi, o);
-    if (ov > bv || (ov == bv && oi < bi)) {
-      bv = ov;
-      bi = oi;
-    }
-  }
-#endif
-}
-
-// The end of a token's routing: choice j sits in lane j % 32 (my_w, my_i); the chosen weights are
-// summed in choice order (in double) and each lane writes its own choice, renormalised.
-__device__ __forceinline__ void write_renormalised(float my_w, int my_i, int k, int32_t* ti, float* tw) {
-  const int lane = threadIdx.x & 31;
-  double ws = 0.0;
-#pragma unroll 8
-  for (int j = 0; j < k; ++j) ws += static_cast<double>(__shfl_sync(kFull, my_w, j));  // (the shuffles overlap)
-  const float s = fmaxf(static_cast<float>(ws), 6.103515625e-5f);
-  if (lane < k) {
-    ti[lane] = my_i;
-    tw[lane] = __fdiv_rn(my_w, s);
-  }
-}
-
-// Token t's routing by one warp, for up to 32 * VPL experts: lane l holds experts l, l + 32, ... in
-// registers, so that the logits are loaded all at once and the softmax and the k rounds of the top-k
-// touch no memory (the shared-memory version below, for more experts, is latency-bound: about 4 us).
-// The same results as the shared-memory version: the same per-lane order of the double sum, strict '>'
-// in ascending expert order per lane and the lower index on ties across lanes.
-template <int VPL>
-__device__ void route_topk_warp_regs(const float* logits, int n_expert, int k, int32_t* ids, float* weights, int t) {
-  const int lane = threadIdx.x & 31;
-  const float* l = logits + static_cast<int64_t>(t) * n_expert;
-  float p[VPL];
-#pragma unroll
-  for (int i = 0; i < VPL; ++i) p[i] = lane + 32 * i < n_expert ? __ldcg(l + lane + 32 * i) : -INFINITY;
-  float mx = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < VPL; ++i)
-    if (lane + 32 * i < n_expert) mx = fmaxf(mx, p[i]);
-  mx = warp_max(mx);
-  double sum = 0.0;
-#pragma unroll
-  for (int i = 0; i < VPL; ++i) {
-    if (lane + 32 * i < n_expert) {
-      p[i] = expf(__fsub_rn(p[i], mx));
-      sum += static_cast<double>(p[i]);
-    }
-  }
-  sum = warp_sum(sum);
-  const float inv = static_cast<float>(__drcp_rn(sum));  // (= 1.0 / sum, correctly rounded)
-#pragma unroll
-  for (int i = 0; i < VPL; ++i) p[i] = lane + 32 * i < n_expert ? __fmul_rn(p[i], inv) : -3.0f;  // never chosen
-  float my_w = 0.0f;
-  int my_i = 0;
-  for (int j = 0; j < k; ++j) {
-    float bv = -1.0f;
-    int bi = INT_MAX;
-#pragma unroll
-    for (int i = 0; i < VPL; ++i) {
-      if (p[i] > bv) {
-        bv = p[i];
-        bi = lane + 32 * i;
-      }
-    }
-    warp_argmax(bv, bi);
-    if ((j & 31) == lane) my_w = bv, my_i = bi;
-#pragma unroll
-    for (int i = 0; i < VPL; ++i)
-      if (lane + 32 * i == bi) p[i] = -2.0f;  // taken (NaN logits leave bi out of range: nothing taken)
-  }
-  write_renormalised(my_w, my_i, k, ids + static_cast<int64_t>(t) * k, weights + static_cast<int64_t>(t) * k);
-}
-
 // Token t's routing by one warp (p: n_expert floats of shared memory, used beyond 512 experts). The
 // logits are read through L2 (__ldcg): in the fused router they were just written by other CTAs.
 __device__ void route_topk_warp(const float* logits, int n_expert, int k, int32_t* ids, float* weights, int t, float* p) {
@@ -2756,6 +2826,32 @@ void matvec_experts_glu(const DevMatrix& gate, const DevMatrix& up, const int32_
   if (n_slots > 65535) fail("matvec_experts_glu: too many slots");
   if (!ids || !act_row) fail("matvec_experts_glu: ids and act_row are required");
   launch_matvec(gate, acts, 1, y, ld_y, ids, slot_of, n_slots, act_row, cs(s), "matvec_experts_glu", &up);
+}
+
+void matvec_experts_glu_routed(const DevMatrix& gate, const DevMatrix& up, const float* logits, int n_expert, int k,
+                               int32_t* ids, float* weights, const int32_t* slot_of, const void* acts, float* y,
+                               int64_t ld_y, Stream s) {
+  if (n_expert <= 0 || n_expert > kRouteInExpertsMax || k <= 0 || k > 32 || k > n_expert)
+    fail("matvec_experts_glu_routed: 1 to 32 of at most " + std::to_string(kRouteInExpertsMax) + " experts");
+  if (!logits || !ids || !weights) fail("matvec_experts_glu_routed: logits, ids and weights are required");
+  MvArgs a = mv_args(gate, acts, 1, y, ld_y, "matvec_experts_glu_routed");
+  check_weight(up, "matvec_experts_glu_routed");
+  if (up.type != gate.type || up.rows != gate.rows || up.cols != gate.cols || up.mat_bytes != gate.mat_bytes ||
+      up.n_mats != gate.n_mats || is_float_type(gate.type))
+    fail("matvec_experts_glu_routed: gate and up must be quantized matrices of one type and shape");
+  if (!slot_of && gate.n_mats < n_expert) fail("matvec_experts_glu_routed: fewer matrices than experts, and no slot_of");
+  a.w2 = up.data;
+  a.slot_of = slot_of;
+  a.route_logits = logits;
+  a.route_n = n_expert;
+  a.route_k = k;
+  a.route_ids = ids;
+  a.route_wts = weights;
+  const dim3 grid(blocks_for(gate.rows, kMvWarps * 2), static_cast<unsigned>(k));
+  const cudaStream_t st = cs(s);
+  with_quant_type(gate.type, "matvec_experts_glu_routed",
+                  [&](auto T) { launch(mmvq_glu_routed_kernel<decltype(T)::value>, grid, kMvWarps * 32, 0, st, a); });
+  launched("matvec_experts_glu_routed");
 }
 
 void matvec_experts(const DevMatrix& w, const int32_t* ids, const int32_t* slot_of, int n_slots, const void* acts,

@@ -93,6 +93,15 @@ void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_
 // meanwhile was measured slower on the H200: 370 vs 376 tok/s.)
 void matvec_experts_glu(const DevMatrix& gate, const DevMatrix& up, const int32_t* ids, const int32_t* slot_of,
                         int n_slots, const void* acts, const int32_t* act_row, float* y, int64_t ld_y, Stream s);
+// The same for one token whose routing the kernel makes itself from the router's logits (n_expert of
+// them, at most kRouteInExpertsMax; k chosen): the choices and weights of route_topk (written to ids /
+// weights for the kernels after) and the outputs of matvec_experts_glu with them (slot j in row j of y).
+// Saves the routing's own step on the decode's critical path. An expert that slot_of places on the
+// host (or a choice NaN logits leave out of range) gets NaN rows.
+constexpr int kRouteInExpertsMax = 256;
+void matvec_experts_glu_routed(const DevMatrix& gate, const DevMatrix& up, const float* logits, int n_expert, int k,
+                               int32_t* ids, float* weights, const int32_t* slot_of, const void* acts, float* y,
+                               int64_t ld_y, Stream s);
 // dst[dst_rows ? dst_rows[i] : i] = src[src_rows ? src_rows[i] : i] for i < n rows of `width` floats.
 // Hybrid decode, the GPU side of the hand-over from the CPU's experts, with their combination: waits
 // until *host_flag (pinned host memory, device view) equals *epoch (device), then for each token

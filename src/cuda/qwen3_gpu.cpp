@@ -203,6 +203,16 @@ class GpuState final : public ModelState {
   std::vector<void*> owned, pinned;
 };
 
+// FITMOE_ROUTE_IN_EXPERTS=0 routes with router_topk even where the gate+up kernel could route itself
+// (for A/B measurements).
+bool route_in_experts() {
+  static const bool on = [] {
+    const char* e = std::getenv("FITMOE_ROUTE_IN_EXPERTS");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
+
 // Where a decode step's GPU time goes (FITMOE_PROFILE=1): graphs are off, each profiled step is queued
 // behind a busy-wait so the GPU runs it back to back, and an event after every op gives the op's own
 // time. Printed per op name (mean per step) to stderr when the model is unloaded.
@@ -687,7 +697,15 @@ class Qwen3Gpu final : public GpuRunner {
       pub.slot_of = X.slot_of_dev;
       pub.gpu_share = share ? static_cast<float>(plan_.host_experts_gpu_share) : 0.0f;
     }
-    if (G.router.on_gpu() &&
+    // One token with every expert on the GPU: the gate+up kernel makes the routing itself from the
+    // router's logits (one step fewer on the critical path than router_topk's last CTA).
+    const bool routed_by_experts = nt == 1 && X.n_dev == c.n_expert && !share && route_in_experts() &&
+                                   G.router.on_gpu() && c.n_expert <= gpu::kRouteInExpertsMax && k <= 32 &&
+                                   X.gate.type == X.up.type && !is_float_type(X.gate.type);
+    if (routed_by_experts) {
+      linear(st, pool, G.router, st.xn, nt, st.rlogits, c.n_expert);
+      prof_.mark("router", stream_);
+    } else if (G.router.on_gpu() &&
         gpu::router_topk(G.router.dev, st.xn, nt, st.rlogits, k, st.ids, st.wts, st.route_done, stream_, pub)) {
       prof_.mark("router + top-k", stream_);
     } else {
@@ -703,7 +721,10 @@ class Qwen3Gpu final : public GpuRunner {
     const DevMatrix& gate = X.n_dev > 0 ? X.gate : X.host_gate;
     const void* acts = vec_acts(st, gate.type, st.xn, nt, E);
     if (X.n_dev > 0) {
-      if (X.gate.type == X.up.type && !is_float_type(X.gate.type)) {
+      if (routed_by_experts) {
+        gpu::matvec_experts_glu_routed(X.gate, X.up, st.rlogits, c.n_expert, k, st.ids, st.wts, X.slot_of_dev, acts,
+                                       st.g, ff, stream_);
+      } else if (X.gate.type == X.up.type && !is_float_type(X.gate.type)) {
         gpu::matvec_experts_glu(X.gate, X.up, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.g, ff, stream_);
       } else {
         gpu::matvec_experts(X.gate, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.g, ff, stream_);

@@ -252,6 +252,91 @@ TEST_F(GpuOps, MatvecExpertsGluEqualsGateUpAndSwiglu) {
                Error);
 }
 
+// Gate and up that route for themselves (one token): the choices, weights and outputs of route_topk
+// followed by matvec_experts_glu, bit for bit, for expert counts up to the limit, ties (the lower
+// index first), experts on the host (NaN rows: the caller must not route them here) and NaN logits
+// (nothing chosen: NaN rows, no read out of range). Two weight types (the kernel is one per type; the
+// products are mmvq_kernel's, tested for every type above).
+TEST_F(GpuOps, MatvecExpertsGluRoutedEqualsRouteTopkThenGlu) {
+  const int64_t cols = 512, rows = 40;  // (40 rows: the last CTA has warps past the end)
+  for (DType t : {DType::Q4_K, DType::Q6_K}) {
+    for (int n_expert : {60, 128, 200, 256}) {
+      HostMatrix g = random_matrix(t, rows, cols, n_expert, 421 + n_expert), u = random_matrix(t, rows, cols, n_expert, 422);
+      auto dg = upload(g.data), du = upload(u.data);
+      DevMatrix mg = dev_matrix(g, *dg), mu = dev_matrix(u, *du);
+      std::vector<float> x = randn(cols, 423, 0.5f);
+      auto acts = upload(host_acts(dtype_info(t).act_type, x, cols, 1));
+      std::vector<int32_t> slot_of(n_expert);
+      for (int e = 0; e < n_expert; ++e) slot_of[e] = e;
+      auto d_slot = upload(slot_of);
+      for (int k : {1, 8}) {
+        for (int variant = 0; variant < 3; ++variant) {  // plain, ties, NaN logits
+          SCOPED_TRACE(std::string(dtype_name(t)) + " experts " + std::to_string(n_expert) + " k " + std::to_string(k) +
+                       " variant " + std::to_string(variant));
+          std::vector<float> logits = randn(n_expert, 424 + n_expert + k + variant, 2.0f);
+          if (variant == 1)
+            for (int e = 3; e < n_expert; e += 5) logits[e] = 4.0f;  // many tied leaders
+          if (variant == 2) logits[n_expert / 2] = std::numeric_limits<float>::quiet_NaN();
+          auto dl = upload(logits);
+          Dev i1(k * 4), w1(k * 4), i2(k * 4), w2(k * 4);
+          Dev y1(static_cast<size_t>(k) * rows * 4), y2(static_cast<size_t>(k) * rows * 4);
+          matvec_experts_glu_routed(mg, mu, dl->as<float>(), n_expert, k, i1.as<int32_t>(), w1.as<float>(),
+                                    d_slot->as<int32_t>(), acts->bytes(), y1.as<float>(), rows, s());
+          route_topk(dl->as<float>(), 1, n_expert, k, i2.as<int32_t>(), w2.as<float>(), s());
+          sync();
+          auto ia = i1.down<int32_t>(k), ib = i2.down<int32_t>(k);
+          auto wa = w1.down<float>(k), wb = w2.down<float>(k);
+          for (int j = 0; j < k; ++j) {
+            ASSERT_EQ(ia[j], ib[j]) << "choice " << j;
+            ASSERT_EQ(bits(wa[j]), bits(wb[j])) << "weight " << j;
+          }
+          auto ya = y1.down<float>(static_cast<size_t>(k) * rows);
+          if (variant == 2) {
+            for (float v : ya) ASSERT_TRUE(std::isnan(v) && !is_poison(v)) << "NaN logits: every row NaN";
+            continue;
+          }
+          std::vector<int32_t> act_row(k, 0);
+          auto d_rows = upload(act_row);
+          matvec_experts_glu(mg, mu, i2.as<int32_t>(), d_slot->as<int32_t>(), k, acts->bytes(), d_rows->as<int32_t>(),
+                             y2.as<float>(), rows, s());
+          sync();
+          auto yb = y2.down<float>(static_cast<size_t>(k) * rows);
+          for (size_t i = 0; i < ya.size(); ++i) ASSERT_EQ(bits(ya[i]), bits(yb[i])) << "output " << i;
+        }
+      }
+      // Experts the caller placed on the host: their slots' rows are NaN, the others as before.
+      std::vector<int32_t> half = slot_of;
+      for (int e = 0; e < n_expert; e += 2) half[e] = -1;
+      auto d_half = upload(half);
+      std::vector<float> logits = randn(n_expert, 425, 2.0f);
+      auto dl = upload(logits);
+      const int k = 8;
+      Dev ids(k * 4), wts(k * 4), y(static_cast<size_t>(k) * rows * 4);
+      matvec_experts_glu_routed(mg, mu, dl->as<float>(), n_expert, k, ids.as<int32_t>(), wts.as<float>(),
+                                d_half->as<int32_t>(), acts->bytes(), y.as<float>(), rows, s());
+      sync();
+      auto id = ids.down<int32_t>(k);
+      auto yv = y.down<float>(static_cast<size_t>(k) * rows);
+      for (int j = 0; j < k; ++j)
+        for (int64_t r = 0; r < rows; ++r) {
+          const float v = yv[j * rows + r];
+          if (half[id[j]] < 0) ASSERT_TRUE(std::isnan(v) && !is_poison(v)) << "host slot " << j << " row " << r;
+          else ASSERT_FALSE(std::isnan(v)) << "slot " << j << " row " << r;
+        }
+    }
+  }
+  HostMatrix g = random_matrix(DType::Q4_K, rows, cols, 1, 426);
+  auto dg = upload(g.data);
+  DevMatrix mg = dev_matrix(g, *dg);
+  Dev buf(1 << 16);
+  EXPECT_THROW(matvec_experts_glu_routed(mg, mg, buf.as<float>(), kRouteInExpertsMax + 1, 8, buf.as<int32_t>(),
+                                         buf.as<float>(), buf.as<int32_t>(), buf.bytes(), buf.as<float>(), rows, s()),
+               Error);
+  EXPECT_THROW(matvec_experts_glu_routed(mg, mg, buf.as<float>(), 128, 8, buf.as<int32_t>(), buf.as<float>(), nullptr,
+                                         buf.bytes(), buf.as<float>(), rows, s()),
+               Error);  // one matrix, 128 experts, no slot_of
+}
+
 // Several matrices in one launch: the same bits as one matvec each, and nothing written past each
 // output's rows (outputs have their own ld, with a gap that stays poisoned). Each weight type alone,
 // the pairs of types one launch mixes (q and k of one type, v of another), and three types.
