@@ -64,6 +64,19 @@ struct GExperts {
   DevMatrix gate, up, down;        // the device-resident experts, packed by slot
   std::vector<int32_t> slot_of;    // expert -> slot, -1 = host
   int32_t* slot_of_dev = nullptr;
+  bool identity = false;           // every expert on the device, slot = expert id
+  // The slot map the decode kernels take: none when it is the identity, which saves each of them a
+  // dependent read (expert id -> slot) before its weights.
+  const int32_t* decode_slot_of() const { return identity && !no_identity_map() ? nullptr : slot_of_dev; }
+  // FITMOE_SLOT_MAP=1 (for A/B measurements): the decode kernels read the slot map even when it is
+  // the identity.
+  static bool no_identity_map() {
+    static const bool on = [] {
+      const char* e = std::getenv("FITMOE_SLOT_MAP");
+      return e && std::string(e) == "1";
+    }();
+    return on;
+  }
   int n_dev = 0;
   const cpu::ExpertWeights* host = nullptr;
   std::vector<HostChunk> chunks;   // the host-resident experts, in id order
@@ -399,6 +412,8 @@ class Qwen3Gpu final : public GpuRunner {
         X.up = pack(L.experts.up);
         X.down = pack(L.experts.down);
         X.slot_of_dev = reinterpret_cast<int32_t*>(upload(X.slot_of.data(), sizeof(int32_t) * E, "routing tables"));
+        X.identity = true;
+        for (int e = 0; e < E; ++e) X.identity = X.identity && X.slot_of[e] == e;
         // The GPU's share of decode's host experts reads them in place (the weights are in pinned memory),
         // where a token is expected to give the GPU at least one expert (see gpu::RoutePublish) and the
         // kernels take the weights as they lie.
@@ -722,10 +737,10 @@ class Qwen3Gpu final : public GpuRunner {
     const void* acts = vec_acts(st, gate.type, st.xn, nt, E);
     if (X.n_dev > 0) {
       if (routed_by_experts) {
-        gpu::matvec_experts_glu_routed(X.gate, X.up, st.rlogits, c.n_expert, k, st.ids, st.wts, X.slot_of_dev, acts,
+        gpu::matvec_experts_glu_routed(X.gate, X.up, st.rlogits, c.n_expert, k, st.ids, st.wts, X.decode_slot_of(), acts,
                                        st.g, ff, stream_);
       } else if (X.gate.type == X.up.type && !is_float_type(X.gate.type)) {
-        gpu::matvec_experts_glu(X.gate, X.up, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.g, ff, stream_);
+        gpu::matvec_experts_glu(X.gate, X.up, st.ids, X.decode_slot_of(), n_slots, acts, st.act_row, st.g, ff, stream_);
       } else {
         gpu::matvec_experts(X.gate, st.ids, X.slot_of_dev, n_slots, acts, st.act_row, st.g, ff, stream_);
         const void* acts_up = dtype_info(X.up.type).act_type != dtype_info(X.gate.type).act_type
@@ -746,7 +761,7 @@ class Qwen3Gpu final : public GpuRunner {
     acts = vec_acts(st, down.type, st.g, n_slots, ff);
     if (X.n_dev == c.n_expert && k <= 8 && !is_float_type(X.down.type)) {
       // Every expert on the GPU: the down products combine straight into st.y.
-      gpu::matvec_experts_combine(X.down, st.ids, X.slot_of_dev, nt, k, acts, st.wts, st.y, E, stream_);
+      gpu::matvec_experts_combine(X.down, st.ids, X.decode_slot_of(), nt, k, acts, st.wts, st.y, E, stream_);
       st.ffn_out_combined = true;
     } else if (X.n_dev > 0) {
       gpu::matvec_experts(X.down, st.ids, X.slot_of_dev, n_slots, acts, st.ident, st.ey, E, stream_);

@@ -566,6 +566,31 @@ TEST_F(GpuOps, MatvecExpertsCombineEqualsExpertsAndCombine) {
             if (r >= rows) ASSERT_TRUE(is_poison(a[tk * ld + r])) << "wrote past the rows";
             else ASSERT_EQ(bits(a[tk * ld + r]), bits(b[tk * rows + r])) << "token " << tk << " row " << r;
           }
+        // No slot map (every expert on the device in id order; the kernel then also hints its rows into
+        // L2 before its wait): matrix = expert id, the bits of an identity map. A choice out of range
+        // (what NaN logits leave) gives its token NaN rows instead of a read past the matrices.
+        std::vector<int32_t> identity(9);
+        for (int e = 0; e < 9; ++e) identity[e] = e;
+        std::vector<int32_t> bad_ids = ids;
+        bad_ids[1] = std::numeric_limits<int32_t>::max();  // token 0's slot 1
+        auto d_idm = upload(identity), d_bad = upload(bad_ids);
+        Dev y_none(static_cast<size_t>(ld) * nt * 4), y_idm(static_cast<size_t>(ld) * nt * 4),
+            y_bad(static_cast<size_t>(ld) * nt * 4);
+        matvec_experts_combine(m, d_ids->as<int32_t>(), nullptr, nt, k, acts->bytes(), wts->as<float>(),
+                               y_none.as<float>(), ld, s());
+        matvec_experts_combine(m, d_ids->as<int32_t>(), d_idm->as<int32_t>(), nt, k, acts->bytes(), wts->as<float>(),
+                               y_idm.as<float>(), ld, s());
+        matvec_experts_combine(m, d_bad->as<int32_t>(), nullptr, nt, k, acts->bytes(), wts->as<float>(),
+                               y_bad.as<float>(), ld, s());
+        sync();
+        auto yn = y_none.down<float>(static_cast<size_t>(ld) * nt), yi = y_idm.down<float>(static_cast<size_t>(ld) * nt),
+             yb = y_bad.down<float>(static_cast<size_t>(ld) * nt);
+        for (int tk = 0; tk < nt; ++tk)
+          for (int64_t r = 0; r < rows; ++r) {
+            ASSERT_EQ(bits(yn[tk * ld + r]), bits(yi[tk * ld + r])) << "no map: token " << tk << " row " << r;
+            if (tk == 0) ASSERT_TRUE(std::isnan(yb[r]) && !is_poison(yb[r])) << "out of range: row " << r;
+            else ASSERT_EQ(bits(yb[tk * ld + r]), bits(yn[tk * ld + r])) << "out of range: token " << tk << " row " << r;
+          }
       }
     }
   }
