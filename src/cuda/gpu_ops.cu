@@ -332,7 +332,7 @@ struct MvArgs {
   int32_t* route_ids;
   float* route_wts;
   bool hint_early;  // mmvq_combine_kernel: hint the chosen rows into L2 before the wait
-  bool no_hint;     // mmvq_kernel: no L2 hint of dense weights before the wait
+  bool hint_rows;   // mmvq_glu_routed_kernel: hint the chosen rows into L2 once they are known
 };
 
 constexpr int kMvWarps = 4;  // warps per CTA; each warp owns R rows
@@ -448,7 +448,7 @@ __global__ void __launch_bounds__(kMvWarps * 32) mmvq_kernel(const MvArgs a) {
   const size_t row_bytes = sg >= 0 ? a.seg_row_bytes[sg] : a.row_bytes;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row0 = (static_cast<int64_t>(bx) * kMvWarps + warp) * R;
-  if (!a.ids && !a.no_hint && row0 < rows)  // dense weights are known before the input is: fetch them meanwhile
+  if (!a.ids && row0 < rows)  // dense weights are known before the input is: fetch them meanwhile
     prefetch_l2((sg >= 0 ? a.seg_w[sg] : a.w) + row0 * row_bytes, (rows - row0 < R ? rows - row0 : R) * row_bytes, lane,
                 32);
   pdl_enter();
@@ -503,6 +503,11 @@ __global__ void __launch_bounds__(kMvWarps * 32, 6) mmvq_glu_routed_kernel(const
   }
   if (row0 >= a.rows) return;
   const uint8_t* wm = a.w + static_cast<size_t>(m) * a.mat_bytes;
+  if (a.hint_rows) {  // every line of the warp's rows requested at once, whatever the loads' unrolling
+    const size_t n = (a.rows - row0 < 2 ? a.rows - row0 : 2) * a.row_bytes;
+    prefetch_l2(wm + row0 * a.row_bytes, n, lane, 32);
+    prefetch_l2(a.w2 + (wm - a.w) + row0 * a.row_bytes, n, lane, 32);
+  }
   mmvq_rows<T, 1, 2, true>(a, wm, a.w2 + (wm - a.w), a.row_bytes, a.acts, y, a.rows, a.ld_y, row0, lane);
 }
 
@@ -784,12 +789,6 @@ MvArgs mv_args(const DevMatrix& w, const void* acts, int n_tokens, float* y, int
   a.mat_bytes = w.mat_bytes;
   a.n_mats = w.n_mats;
   a.rows = w.rows;
-  // FITMOE_BIG_HINT_MB=N (being measured): dense matrices over N MiB get no L2 hint before the wait.
-  static const int64_t big_hint = [] {
-    const char* e = std::getenv("FITMOE_BIG_HINT_MB");
-    return e ? std::atoll(e) << 20 : int64_t(1) << 62;
-  }();
-  a.no_hint = static_cast<int64_t>(w.row_bytes) * w.rows > big_hint;
   a.cols = w.cols;
   a.acts = static_cast<const uint8_t*>(acts);
   a.act_stride = row_bytes(act, w.cols);
@@ -2850,6 +2849,12 @@ void matvec_experts_glu_routed(const DevMatrix& gate, const DevMatrix& up, const
   a.route_k = k;
   a.route_ids = ids;
   a.route_wts = weights;
+  // FITMOE_GLU_HINT=0 (for A/B measurements): no L2 hint of the chosen rows.
+  static const bool hint = [] {
+    const char* e = std::getenv("FITMOE_GLU_HINT");
+    return !(e && std::string(e) == "0");
+  }();
+  a.hint_rows = hint;
   const dim3 grid(blocks_for(gate.rows, kMvWarps * 2), static_cast<unsigned>(k));
   const cudaStream_t st = cs(s);
   with_quant_type(gate.type, "matvec_experts_glu_routed",
