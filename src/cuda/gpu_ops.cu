@@ -1431,7 +1431,6 @@ struct AttnArgs {
   unsigned* counters;  // short decode: a zero-initialised counter per (token, kv head)
   uint8_t* out_q;      // short decode: the output also in Q8_K (rows of n_head * hdv values), or null
   int chunk_min;       // short decode: keys per chunk at least (a multiple of 8, at most kChunkMax)
-  bool early;          // short decode: cached keys and values of earlier steps loaded before the wait
 };
 
 constexpr int kDecodeMaxTokens = 8;    // attention with at most this many queries uses a decode kernel
@@ -1760,8 +1759,7 @@ __global__ void __launch_bounds__(kGroupThreads) attn_dec_group_kernel(const Att
   const size_t key_bytes = static_cast<size_t>(a.hd) * sizeof(T), krow_bytes = static_cast<size_t>(nkv) * key_bytes;
   const int nvis = min(attn_pos0(a) + t + 1, a.keys_max);  // (the position: copied before the step's first kernel)
   const GroupMap gm = group_map(a, nvis, blockIdx.x);
-  const bool work = gm.active && nvis <= kShortKeys;
-  if (work) {
+  if (gm.active && nvis <= kShortKeys) {
     // While the kernel before finishes, this chunk's cached keys and values (written by earlier steps)
     // go into L2.
     const int lk = static_cast<int>((key_bytes + 127) / 128), lv = (gm.nk * static_cast<int>(sizeof(T)) + 127) / 128;
@@ -1772,33 +1770,6 @@ __global__ void __launch_bounds__(kGroupThreads) attn_dec_group_kernel(const Att
     for (int i = tid; i < a.hdv * lv; i += kGroupThreads)
       prefetch_l2(vb + static_cast<size_t>(i / lv) * a.n_ctx * sizeof(T) + (i % lv) * 128, 1, 0, 1);
   }
-  // This thread's V vectors (part p, row d: the chunk's 8-key vectors p, p + P, ...) and its quarter of
-  // the first key it scores go into registers; those of keys that earlier steps wrote (before old_keys:
-  // the kernel before writes only this launch's) already before the wait, so that their latency
-  // overlaps the kernel before, the others after it.
-  const int old_keys = a.early ? attn_pos0(a) : 0;
-  const int P = kGroupThreads / a.hdv;
-  const int d = tid % a.hdv, p = tid / a.hdv;
-  constexpr int E = 8, kVRegs = 8;
-  const T* vr = reinterpret_cast<const T*>(a.v) + (static_cast<size_t>(g) * a.hdv + d) * a.n_ctx + gm.j0;
-  const bool vfull = work && a.v_vec && p < P;
-  uint4 vraw[kVRegs][sizeof(T) == 2 ? 1 : 2];
-  unsigned v_early = 0;  // bit r: vraw[r] loaded before the wait
-#pragma unroll
-  for (int r = 0; r < kVRegs; ++r) {
-    const int v0 = (p + r * P) * E;
-    if (vfull && v0 + E <= gm.nk && gm.j0 + v0 + E <= old_keys) {
-      vraw[r][0] = *reinterpret_cast<const uint4*>(vr + v0);
-      if constexpr (sizeof(T) == 4) vraw[r][1] = *reinterpret_cast<const uint4*>(vr + v0 + 4);
-      v_early |= 1u << r;
-    }
-  }
-  const int cq = tid & 3, kq = tid >> 2, nm = a.hdp / 16;
-  const T* kbase = reinterpret_cast<const T*>(a.k) + static_cast<size_t>(g) * a.hd;
-  const size_t krow = static_cast<size_t>(nkv) * a.hd;
-  float2 kv[MAXM][2];  // the key quad being scored (the first one loaded before the wait when it is old)
-  const bool k_early = work && kq < gm.nk && gm.j0 + kq < old_keys;
-  if (k_early) load_key_quad<T, MAXM>(kbase + static_cast<size_t>(gm.j0 + kq) * krow, cq, nm, a.hd, true, kv);
   pdl_enter();
   if (nvis > kShortKeys) {  // the caller chose the wrong variant: say so loudly, never silently
     float* out = a.out + t * a.ld_out + static_cast<int64_t>(g) * a.group * a.hdv;
@@ -1830,10 +1801,18 @@ __global__ void __launch_bounds__(kGroupThreads) attn_dec_group_kernel(const Att
   float* st_m = a.st_m + slot * kGroupChunks * G;    // [chunk][G]
   double* st_l = a.st_l + slot * kGroupChunks * G;   // [chunk][G]
   float* opart = a.opart + slot * kGroupChunks * G * a.hdv;  // [chunk][G][hdv]
+  // This thread's V vectors (part p, row d: the chunk's 8-key vectors p, p + P, ...), loaded now so
+  // that their latency overlaps the softmax and its barrier.
+  const int P = kGroupThreads / a.hdv;
+  const int d = tid % a.hdv, p = tid / a.hdv;
+  constexpr int E = 8, kVRegs = 8;
+  const T* vr = reinterpret_cast<const T*>(a.v) + (static_cast<size_t>(g) * a.hdv + d) * a.n_ctx + j0;
+  const bool vfull = a.v_vec && p < P;
+  uint4 vraw[kVRegs][sizeof(T) == 2 ? 1 : 2];
 #pragma unroll
   for (int r = 0; r < kVRegs; ++r) {
     const int v0 = (p + r * P) * E;
-    if (vfull && v0 + E <= nk && !(v_early & (1u << r))) {
+    if (vfull && v0 + E <= nk) {
       vraw[r][0] = *reinterpret_cast<const uint4*>(vr + v0);
       if constexpr (sizeof(T) == 4) vraw[r][1] = *reinterpret_cast<const uint4*>(vr + v0 + 4);
     }
@@ -1846,11 +1825,14 @@ __global__ void __launch_bounds__(kGroupThreads) attn_dec_group_kernel(const Att
   __syncthreads();
   // Scores: a quad per key, each key's quarter in registers for the G dot products.
   {
+    const int cq = tid & 3, kq = tid >> 2, nm = a.hdp / 16;
+    const T* kbase = reinterpret_cast<const T*>(a.k) + static_cast<size_t>(g) * a.hd;
+    const size_t krow = static_cast<size_t>(nkv) * a.hd;
     for (int jj0 = 0; jj0 < nk; jj0 += kGroupThreads / 4) {
       const int jj = jj0 + kq;
       const bool valid = jj < nk;
-      if (jj0 > 0 || !k_early)
-        load_key_quad<T, MAXM>(kbase + static_cast<size_t>(valid ? j0 + jj : 0) * krow, cq, nm, a.hd, valid, kv);
+      float2 kv[MAXM][2];
+      load_key_quad<T, MAXM>(kbase + static_cast<size_t>(valid ? j0 + jj : 0) * krow, cq, nm, a.hd, valid, kv);
       for (int i = 0; i < G; ++i) {
         const float sc = __fmul_rn(dot_key_quad<MAXM>(kv, qs + i * a.hdp + 2 * cq, nm), a.scale);
         if (valid && cq == 0) S[i * kChunkMax + jj] = sc;
@@ -2476,12 +2458,6 @@ bool launch_attention(AttnArgs& a, void* scratch, size_t scratch_bytes, cudaStre
       return v >= 8 && v <= kChunkMax && v % 8 == 0 ? v : 32;
     }();
     a.chunk_min = chunk_min;
-    // FITMOE_ATTN_EARLY=0 (for A/B measurements): every cached key and value read after the wait.
-    static const bool early = [] {
-      const char* e = std::getenv("FITMOE_ATTN_EARLY");
-      return !(e && std::string(e) == "0");
-    }();
-    a.early = early;
     const dim3 grid(kGroupChunks, a.n_head_kv, a.n_tokens);
     launch(gk, grid, kGroupThreads, gsmem, s, a);
     launched("attention (decode, short cache)");
