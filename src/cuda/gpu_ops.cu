@@ -332,7 +332,6 @@ struct MvArgs {
   int32_t* route_ids;
   float* route_wts;
   bool hint_early;  // mmvq_combine_kernel: hint the chosen rows into L2 before the wait
-  bool hint_rows;   // mmvq_glu_routed_kernel: hint the chosen rows into L2 once they are known
 };
 
 constexpr int kMvWarps = 4;  // warps per CTA; each warp owns R rows
@@ -503,11 +502,6 @@ __global__ void __launch_bounds__(kMvWarps * 32, 6) mmvq_glu_routed_kernel(const
   }
   if (row0 >= a.rows) return;
   const uint8_t* wm = a.w + static_cast<size_t>(m) * a.mat_bytes;
-  if (a.hint_rows) {  // every line of the warp's rows requested at once, whatever the loads' unrolling
-    const size_t n = (a.rows - row0 < 2 ? a.rows - row0 : 2) * a.row_bytes;
-    prefetch_l2(wm + row0 * a.row_bytes, n, lane, 32);
-    prefetch_l2(a.w2 + (wm - a.w) + row0 * a.row_bytes, n, lane, 32);
-  }
   mmvq_rows<T, 1, 2, true>(a, wm, a.w2 + (wm - a.w), a.row_bytes, a.acts, y, a.rows, a.ld_y, row0, lane);
 }
 
@@ -2849,12 +2843,6 @@ void matvec_experts_glu_routed(const DevMatrix& gate, const DevMatrix& up, const
   a.route_k = k;
   a.route_ids = ids;
   a.route_wts = weights;
-  // FITMOE_GLU_HINT=0 (for A/B measurements): no L2 hint of the chosen rows.
-  static const bool hint = [] {
-    const char* e = std::getenv("FITMOE_GLU_HINT");
-    return !(e && std::string(e) == "0");
-  }();
-  a.hint_rows = hint;
   const dim3 grid(blocks_for(gate.rows, kMvWarps * 2), static_cast<unsigned>(k));
   const cudaStream_t st = cs(s);
   with_quant_type(gate.type, "matvec_experts_glu_routed",
