@@ -332,8 +332,6 @@ struct MvArgs {
   int32_t* route_ids;
   float* route_wts;
   bool hint_early;  // mmvq_combine_kernel: hint the chosen rows into L2 before the wait
-  const uint8_t* hint_p[3];  // mv_float_split_body: memory a later kernel reads, hinted before the wait
-  size_t hint_n[3];
 };
 
 constexpr int kMvWarps = 4;  // warps per CTA; each warp owns R rows
@@ -623,10 +621,6 @@ __device__ __forceinline__ void mv_float_split_body(const MvArgs& a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
   const int64_t row = blockIdx.x;
   if (!a.ids) prefetch_l2(a.w + row * a.row_bytes, a.row_bytes, tid, kMvWarps * 32);
-  const int cta = blockIdx.y * gridDim.x + blockIdx.x, n_cta = gridDim.x * gridDim.y;
-#pragma unroll
-  for (int i = 0; i < 3; ++i)
-    if (a.hint_n[i]) prefetch_l2(a.hint_p[i], a.hint_n[i], cta * kMvWarps * 32 + tid, n_cta * kMvWarps * 32);
   pdl_enter();
   const uint8_t* wm;
   const uint8_t* acts;
@@ -820,12 +814,8 @@ void with_quant_type(DType t, const char* what, F&& f) {
 
 void launch_matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_t ld_y, const int32_t* ids,
                    const int32_t* slot_of, int n_slots, const int32_t* act_row, cudaStream_t s, const char* what,
-                   const DevMatrix* up = nullptr, const L2Hint* next = nullptr) {
+                   const DevMatrix* up = nullptr) {
   MvArgs a = mv_args(w, acts, n_tokens, y, ld_y, what);
-  if (next) {
-    if (!is_float_type(w.type) || w.rows > 512 || ids) fail(std::string(what) + ": L2 hints only with a router's product");
-    for (int i = 0; i < 3; ++i) a.hint_p[i] = static_cast<const uint8_t*>(next->p[i]), a.hint_n[i] = next->p[i] ? next->n[i] : 0;
-  }
   a.ids = ids;
   a.slot_of = slot_of;
   a.act_row = act_row;
@@ -2758,11 +2748,11 @@ void quantize_acts(DType act, const float* x, int64_t n, int rows, int64_t ld_x,
   launched("quantize_acts");
 }
 
-void matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_t ld_y, Stream s, const L2Hint* next) {
+void matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_t ld_y, Stream s) {
   if (n_tokens <= 0) return;
   if (n_tokens > kMaxVecTokens)
     fail("matvec: " + std::to_string(n_tokens) + " tokens, at most " + std::to_string(kMaxVecTokens));
-  launch_matvec(w, acts, n_tokens, y, ld_y, nullptr, nullptr, 1, nullptr, cs(s), "matvec", nullptr, next);
+  launch_matvec(w, acts, n_tokens, y, ld_y, nullptr, nullptr, 1, nullptr, cs(s), "matvec");
 }
 
 void matvec_multi(const DevMatrix* const* ws, float* const* ys, const int64_t* ld_ys, int n, const void* acts,

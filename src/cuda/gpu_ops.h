@@ -69,15 +69,7 @@ void quantize_acts(DType act, const float* x, int64_t n, int rows, int64_t ld_x,
 
 // y[t * ld_y + r] = W[r] . x[t] for t < n_tokens <= kMaxVecTokens, acts already converted to
 // dtype_info(w.type).act_type (rows act_bytes(act, w.cols, 1) apart).
-// `next` (optional): device memory a later kernel will read (e.g. the next layer's q, k, v weights),
-// hinted into L2 by this launch's CTAs before they wait for the kernel before (float weights of at
-// most 512 rows only: the router).
-struct L2Hint {
-  const void* p[3] = {nullptr, nullptr, nullptr};
-  size_t n[3] = {0, 0, 0};
-};
-void matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_t ld_y, Stream s,
-            const L2Hint* next = nullptr);
+void matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_t ld_y, Stream s);
 // Several matrices of one type and width on the same activations (e.g. the q, k and v projections):
 // y_i = W_i x for i < n (at most 4 quantized ones, in one launch; float ones one launch each), each
 // output with its own ld. The same per-row results as n calls of matvec.

@@ -226,14 +226,6 @@ bool route_in_experts() {
   return on;
 }
 
-bool qkv_early() {
-  static const bool on = [] {
-    const char* e = std::getenv("FITMOE_QKV_EARLY");
-    return e && std::string(e) == "1";
-  }();
-  return on;
-}
-
 // Where a decode step's GPU time goes (FITMOE_PROFILE=1): graphs are off, each profiled step is queued
 // behind a busy-wait so the GPU runs it back to back, and an event after every op gives the op's own
 // time. Printed per op name (mean per step) to stderr when the model is unloaded.
@@ -726,17 +718,7 @@ class Qwen3Gpu final : public GpuRunner {
                                    G.router.on_gpu() && c.n_expert <= gpu::kRouteInExpertsMax && k <= 32 &&
                                    X.gate.type == X.up.type && !is_float_type(X.gate.type);
     if (routed_by_experts) {
-      // FITMOE_QKV_EARLY=1 (being measured): the router's CTAs also hint the next layer's q, k, v
-      // weights into L2 before their wait, five kernels ahead of their use.
-      gpu::L2Hint next;
-      if (qkv_early() && l + 1 < c.n_layer && is_float_type(G.router.dev.type)) {
-        const GLayer& N = layers_[l + 1];
-        const GWeight* qkv[3] = {&N.wq, &N.wk, &N.wv};
-        for (int i = 0; i < 3; ++i)
-          if (qkv[i]->on_gpu()) next.p[i] = qkv[i]->dev.data, next.n[i] = qkv[i]->dev.mat_bytes;
-      }
-      gpu::matvec(G.router.dev, vec_acts(st, G.router.dev.type, st.xn, nt, E), nt, st.rlogits, c.n_expert, stream_,
-                  &next);
+      linear(st, pool, G.router, st.xn, nt, st.rlogits, c.n_expert);
       prof_.mark("router", stream_);
     } else if (G.router.on_gpu() &&
         gpu::router_topk(G.router.dev, st.xn, nt, st.rlogits, k, st.ids, st.wts, st.route_done, stream_, pub)) {
