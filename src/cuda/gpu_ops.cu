@@ -702,6 +702,18 @@ void launch_mvq_nt(const MvArgs& a0, unsigned n_slots, cudaStream_t s) {
     for (int i = 0; i < a.n_seg; ++i) a.seg_cta[i + 1] = a.seg_cta[i] + blocks_for(a.seg_rows[i], kMvWarps * R);
     ctas = a.seg_cta[a.n_seg];
   }
+  if constexpr (NT == 1 && T == T2) {
+    // FITMOE_TALL_R2=1 (being measured): two rows per warp for tall single-token products (the output
+    // head: 151936 rows), half the CTAs and twice the loads in flight per warp.
+    static const bool tall_r2 = [] {
+      const char* e = std::getenv("FITMOE_TALL_R2");
+      return e && std::string(e) == "1";
+    }();
+    if (tall_r2 && !a.ids && !a.n_seg && a.rows >= 65536) {
+      launch(mmvq_kernel<T, 1, 2>, dim3(blocks_for(a.rows, kMvWarps * 2), n_slots), kMvWarps * 32, 0, s, a);
+      return;
+    }
+  }
   launch(mmvq_kernel<T, NT, R, false, T2>, dim3(ctas, n_slots), kMvWarps * 32, 0, s, a);
 }
 template <DType T, DType T2 = T>
@@ -1335,17 +1347,50 @@ __global__ void kv_store_v_kernel(T* __restrict__ v, const int32_t* __restrict__
 // query heads, then the n_head_kv key heads, then the n_head_kv value heads), RMSNorm of the head with
 // its weight and NeoX RoPE for q and k (q in place, k into the cache), and v into the cache. The same
 // arithmetic as rms_norm_kernel + rope_neox_kernel + kv_store_*_kernel, so the bits are the same.
+// The NeoX rotation table of position p: cos of pair i in tab[i], sin in tab[half + i] (angles as the
+// CPU's rope: freq_scale * p * theta_scale^i, the power by repeated products in float, sincos in double).
+// Called by the whole CTA; ends with a barrier.
+__device__ __forceinline__ void rope_table(float* tab, int p, int half, float theta_scale, float freq_scale) {
+  if (threadIdx.x == 0) {
+    float theta = static_cast<float>(p);
+    for (int i = 0; i < half; ++i) {
+      tab[i] = __fmul_rn(freq_scale, theta);
+      theta = __fmul_rn(theta, theta_scale);
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    double sn, cn;
+    sincos(static_cast<double>(tab[i]), &sn, &cn);
+    tab[i] = static_cast<float>(cn);
+    tab[half + i] = static_cast<float>(sn);
+  }
+  __syncthreads();
+}
+
 template <typename T>
 __global__ void qk_norm_rope_store_kernel(float* q, int64_t ld_q, const float* __restrict__ k, int64_t ld_k,
                                           const float* __restrict__ v, int64_t ld_v, const float* __restrict__ q_norm,
                                           const float* __restrict__ k_norm, T* __restrict__ kc, T* __restrict__ vc,
                                           int n_ctx, const int32_t* __restrict__ pos, int n_head, int n_head_kv, int hd,
-                                          int hdv, int n_rot, float theta_scale, float freq_scale, float eps) {
-  pdl_enter();
+                                          int hdv, int n_rot, float theta_scale, float freq_scale, float eps,
+                                          bool table_early) {
   extern __shared__ float sh[];  // [hd] normed head, [n_rot] cos / sin table
   __shared__ double part[32];
   const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;
-  const int p = pos[t];
+  const int p = pos[t];  // (the positions are copied before the step's first kernel)
+  float* hv = sh;
+  float* tab = sh + hd;
+  const int half = n_rot / 2;
+  if (h < n_head + n_head_kv && table_early) {
+    // The rotation table depends only on the position: made while the kernel before finishes (a
+    // serial chain of products and a double-precision sincos per pair, off the critical path).
+    rope_table(tab, p, half, theta_scale, freq_scale);
+    pdl_enter();
+  } else {
+    pdl_enter();
+    if (h < n_head + n_head_kv) rope_table(tab, p, half, theta_scale, freq_scale);
+  }
   if (h >= n_head + n_head_kv) {  // a value head: straight into the transposed cache
     const int g = h - n_head - n_head_kv;
     for (int i = tid; i < hdv; i += blockDim.x)
@@ -1356,8 +1401,6 @@ __global__ void qk_norm_rope_store_kernel(float* q, int64_t ld_q, const float* _
   const int g = is_q ? h : h - n_head;
   const float* src = is_q ? q + t * ld_q + static_cast<int64_t>(g) * hd : k + t * ld_k + static_cast<int64_t>(g) * hd;
   const float* w = is_q ? q_norm : k_norm;
-  float* hv = sh;
-  float* tab = sh + hd;
   double s = 0;
   for (int i = tid; i < hd; i += blockDim.x) {
     const float x = src[i];
@@ -1368,22 +1411,7 @@ __global__ void qk_norm_rope_store_kernel(float* q, int64_t ld_q, const float* _
     const float x = __fmul_rn(src[i], scale);
     hv[i] = w ? __fmul_rn(x, w[i]) : x;
   }
-  const int half = n_rot / 2;
-  if (tid == 0) {
-    float theta = static_cast<float>(p);
-    for (int i = 0; i < half; ++i) {
-      tab[i] = __fmul_rn(freq_scale, theta);
-      theta = __fmul_rn(theta, theta_scale);
-    }
-  }
-  __syncthreads();
-  for (int i = tid; i < half; i += blockDim.x) {
-    double sn, cn;
-    sincos(static_cast<double>(tab[i]), &sn, &cn);
-    tab[i] = static_cast<float>(cn);
-    tab[half + i] = static_cast<float>(sn);
-  }
-  __syncthreads();
+  __syncthreads();  // (hv, and the table)
   for (int i = tid; i < hd; i += blockDim.x) {
     float o;
     if (i < half) {
@@ -3026,14 +3054,20 @@ void qk_norm_rope_store(float* q, int64_t ld_q, const float* k, int64_t ld_k, co
   const dim3 grid(static_cast<unsigned>(n_head + 2 * n_head_kv), static_cast<unsigned>(n_tokens));
   const size_t smem = static_cast<size_t>(head_dim + n_rot) * sizeof(float);
   const cudaStream_t st = cs(s);
+  // The rotation table before the wait (pos must then be written before the kernel before this one
+  // started, as the decode step's inputs are); FITMOE_ROPE_EARLY=0 (for A/B measurements) after it.
+  static const bool early = [] {
+    const char* e = std::getenv("FITMOE_ROPE_EARLY");
+    return !(e && std::string(e) == "0");
+  }();
   if (kv.type == DType::F16)
     launch(qk_norm_rope_store_kernel<__half>, grid, kNormThreads, smem, st,
         q, ld_q, k, ld_k, v, ld_v, q_norm, k_norm, reinterpret_cast<__half*>(kv.k), reinterpret_cast<__half*>(kv.v),
-        kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, theta_scale, freq_scale, eps);
+        kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, theta_scale, freq_scale, eps, early);
   else if (kv.type == DType::F32)
     launch(qk_norm_rope_store_kernel<float>, grid, kNormThreads, smem, st,
         q, ld_q, k, ld_k, v, ld_v, q_norm, k_norm, reinterpret_cast<float*>(kv.k), reinterpret_cast<float*>(kv.v),
-        kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, theta_scale, freq_scale, eps);
+        kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, theta_scale, freq_scale, eps, early);
   else
     fail(std::string("qk_norm_rope_store: unsupported cache type ") + tname(kv.type));
   launched("qk_norm_rope_store");

@@ -146,7 +146,8 @@ void kv_store(const DevKv& kv, const int32_t* pos, int n_tokens, const float* k,
               int64_t ld_v, int n_head_kv, int head_dim, int head_dim_v, Stream s);
 // The attention prologue in one launch: RMSNorm of every q and k head (weights q_norm / k_norm), NeoX
 // RoPE of both (as rope_neox), q in place, k and v stored into the cache at pos[t] (as kv_store). The
-// same bits as rms_norm + rope_neox + kv_store; st.k is not written.
+// same bits as rms_norm + rope_neox + kv_store; st.k is not written. pos is read before the launch
+// waits for the kernel before it (the rotation table is made meanwhile): write it before that kernel.
 void qk_norm_rope_store(float* q, int64_t ld_q, const float* k, int64_t ld_k, const float* v, int64_t ld_v,
                         const float* q_norm, const float* k_norm, const DevKv& kv, const int32_t* pos, int n_tokens,
                         int n_head, int n_head_kv, int head_dim, int head_dim_v, int n_rot, float base,
