@@ -331,7 +331,6 @@ struct MvArgs {
   int route_n, route_k;
   int32_t* route_ids;
   float* route_wts;
-  bool hint_early;  // mmvq_combine_kernel: hint the chosen rows into L2 before the wait
 };
 
 constexpr int kMvWarps = 4;  // warps per CTA; each warp owns R rows
@@ -663,8 +662,9 @@ __global__ void __launch_bounds__(MAXK * 32) mmvq_combine_kernel(const MvArgs a,
   // In decode the choices come from two kernels back (the experts' gate+up; the activations' Q8_K
   // between), so they are final by the time this kernel starts: each warp hints its expert's rows
   // into L2 while the kernel before runs. Only a hint (read through L2, range-checked, the real
-  // reads come after the wait), and only with the identity slot map (no dependent lookup).
-  if (a.hint_early && !a.slot_of && j < k) {
+  // reads come after the wait), and only with the identity slot map (no dependent lookup). Measured on
+  // the H200, all-GPU decode: 404.4 / 404.3 tok/s with it, 398.5 / 399.6 without.
+  if (!a.slot_of && j < k) {
     const int e = __ldcg(a.ids + t * k + j);
     if (e >= 0 && e < a.n_mats)
       prefetch_l2(a.w + static_cast<size_t>(e) * a.mat_bytes + row0 * a.row_bytes,
@@ -701,18 +701,6 @@ void launch_mvq_nt(const MvArgs& a0, unsigned n_slots, cudaStream_t s) {
     a.seg_cta[0] = 0;
     for (int i = 0; i < a.n_seg; ++i) a.seg_cta[i + 1] = a.seg_cta[i] + blocks_for(a.seg_rows[i], kMvWarps * R);
     ctas = a.seg_cta[a.n_seg];
-  }
-  if constexpr (NT == 1 && T == T2) {
-    // FITMOE_TALL_R2=1 (being measured): two rows per warp for tall single-token products (the output
-    // head: 151936 rows), half the CTAs and twice the loads in flight per warp.
-    static const bool tall_r2 = [] {
-      const char* e = std::getenv("FITMOE_TALL_R2");
-      return e && std::string(e) == "1";
-    }();
-    if (tall_r2 && !a.ids && !a.n_seg && a.rows >= 65536) {
-      launch(mmvq_kernel<T, 1, 2>, dim3(blocks_for(a.rows, kMvWarps * 2), n_slots), kMvWarps * 32, 0, s, a);
-      return;
-    }
   }
   launch(mmvq_kernel<T, NT, R, false, T2>, dim3(ctas, n_slots), kMvWarps * 32, 0, s, a);
 }
@@ -1373,8 +1361,7 @@ __global__ void qk_norm_rope_store_kernel(float* q, int64_t ld_q, const float* _
                                           const float* __restrict__ v, int64_t ld_v, const float* __restrict__ q_norm,
                                           const float* __restrict__ k_norm, T* __restrict__ kc, T* __restrict__ vc,
                                           int n_ctx, const int32_t* __restrict__ pos, int n_head, int n_head_kv, int hd,
-                                          int hdv, int n_rot, float theta_scale, float freq_scale, float eps,
-                                          bool table_early) {
+                                          int hdv, int n_rot, float theta_scale, float freq_scale, float eps) {
   extern __shared__ float sh[];  // [hd] normed head, [n_rot] cos / sin table
   __shared__ double part[32];
   const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;
@@ -1382,15 +1369,11 @@ __global__ void qk_norm_rope_store_kernel(float* q, int64_t ld_q, const float* _
   float* hv = sh;
   float* tab = sh + hd;
   const int half = n_rot / 2;
-  if (h < n_head + n_head_kv && table_early) {
-    // The rotation table depends only on the position: made while the kernel before finishes (a
-    // serial chain of products and a double-precision sincos per pair, off the critical path).
-    rope_table(tab, p, half, theta_scale, freq_scale);
-    pdl_enter();
-  } else {
-    pdl_enter();
-    if (h < n_head + n_head_kv) rope_table(tab, p, half, theta_scale, freq_scale);
-  }
+  // The rotation table depends only on the position: made while the kernel before finishes (a serial
+  // chain of products and a double-precision sincos per pair, 1.6% of all-GPU decode when it came after
+  // the wait: 405.2 against 410.9 tok/s on the H200).
+  if (h < n_head + n_head_kv) rope_table(tab, p, half, theta_scale, freq_scale);
+  pdl_enter();
   if (h >= n_head + n_head_kv) {  // a value head: straight into the transposed cache
     const int g = h - n_head - n_head_kv;
     for (int i = tid; i < hdv; i += blockDim.x)
@@ -2895,12 +2878,6 @@ void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_
   MvArgs a = mv_args(w, acts, 1, y, ld_y, "matvec_experts_combine");
   a.ids = ids;
   a.slot_of = slot_of;
-  // FITMOE_DOWN_HINT=0 (for A/B measurements): no early L2 hint of the chosen rows.
-  static const bool hint = [] {
-    const char* e = std::getenv("FITMOE_DOWN_HINT");
-    return !(e && std::string(e) == "0");
-  }();
-  a.hint_early = hint;
   const dim3 grid(blocks_for(w.rows, kCombineRows), static_cast<unsigned>(n_tokens));
   const cudaStream_t st = cs(s);
   with_quant_type(w.type, "matvec_experts_combine", [&](auto T) {
@@ -3054,20 +3031,14 @@ void qk_norm_rope_store(float* q, int64_t ld_q, const float* k, int64_t ld_k, co
   const dim3 grid(static_cast<unsigned>(n_head + 2 * n_head_kv), static_cast<unsigned>(n_tokens));
   const size_t smem = static_cast<size_t>(head_dim + n_rot) * sizeof(float);
   const cudaStream_t st = cs(s);
-  // The rotation table before the wait (pos must then be written before the kernel before this one
-  // started, as the decode step's inputs are); FITMOE_ROPE_EARLY=0 (for A/B measurements) after it.
-  static const bool early = [] {
-    const char* e = std::getenv("FITMOE_ROPE_EARLY");
-    return !(e && std::string(e) == "0");
-  }();
   if (kv.type == DType::F16)
     launch(qk_norm_rope_store_kernel<__half>, grid, kNormThreads, smem, st,
         q, ld_q, k, ld_k, v, ld_v, q_norm, k_norm, reinterpret_cast<__half*>(kv.k), reinterpret_cast<__half*>(kv.v),
-        kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, theta_scale, freq_scale, eps, early);
+        kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, theta_scale, freq_scale, eps);
   else if (kv.type == DType::F32)
     launch(qk_norm_rope_store_kernel<float>, grid, kNormThreads, smem, st,
         q, ld_q, k, ld_k, v, ld_v, q_norm, k_norm, reinterpret_cast<float*>(kv.k), reinterpret_cast<float*>(kv.v),
-        kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, theta_scale, freq_scale, eps, early);
+        kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, theta_scale, freq_scale, eps);
   else
     fail(std::string("qk_norm_rope_store: unsupported cache type ") + tname(kv.type));
   launched("qk_norm_rope_store");

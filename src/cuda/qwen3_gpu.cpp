@@ -66,17 +66,10 @@ struct GExperts {
   int32_t* slot_of_dev = nullptr;
   bool identity = false;           // every expert on the device, slot = expert id
   // The slot map the decode kernels take: none when it is the identity, which saves each of them a
-  // dependent read (expert id -> slot) before its weights.
-  const int32_t* decode_slot_of() const { return identity && !no_identity_map() ? nullptr : slot_of_dev; }
-  // FITMOE_SLOT_MAP=1 (for A/B measurements): the decode kernels read the slot map even when it is
-  // the identity.
-  static bool no_identity_map() {
-    static const bool on = [] {
-      const char* e = std::getenv("FITMOE_SLOT_MAP");
-      return e && std::string(e) == "1";
-    }();
-    return on;
-  }
+  // dependent read (expert id -> slot) before its weights (and lets the down kernel hint its rows
+  // early). Measured on the H200, all-GPU decode: with the map 394.5 / 396.8 tok/s, without it (and
+  // without the hint) 398.5 / 399.6.
+  const int32_t* decode_slot_of() const { return identity ? nullptr : slot_of_dev; }
   int n_dev = 0;
   const cpu::ExpertWeights* host = nullptr;
   std::vector<HostChunk> chunks;   // the host-resident experts, in id order
@@ -217,7 +210,8 @@ class GpuState final : public ModelState {
 };
 
 // FITMOE_ROUTE_IN_EXPERTS=0 routes with router_topk even where the gate+up kernel could route itself
-// (for A/B measurements).
+// (for A/B measurements; on the H200 all-GPU decode went from 387.3 / 388.9 to 397.6 / 397.9 tok/s
+// with the self-routing kernel).
 bool route_in_experts() {
   static const bool on = [] {
     const char* e = std::getenv("FITMOE_ROUTE_IN_EXPERTS");
