@@ -3,7 +3,7 @@
 # prints a short table last. Binaries come prebuilt from the dev machine (scripts/device-prepare.sh puts
 # them and the test fixtures into git-ignored folders that the run carries).
 #   scripts/device-run.sh [MODE...]   MODE: all (default) tests cpu gpu gputests gpubench profile skip ab sync ncu
-#                                     ncu-detail nsys toggles; several in one call run in this file's order
+#                                     ncu-detail ncu-source nsys toggles; several in one call run in this file's order
 #   (SKIP_CONFIGS names GPU configs to skip)
 # profile: where a decode step's GPU time goes, per op (FITMOE_PROFILE=1), all on the GPU and at 8 GiB.
 set -uo pipefail
@@ -183,6 +183,37 @@ if want ncu-detail; then
   tail -n 3 "$OUT/ncu-detail.err"
   grep -E '^  [a-z_].*\(|Duration|Registers Per|Achieved Occupancy|Memory Throughput|stalled|No Eligible|Issued Warp' \
     "$OUT/ncu-detail.txt" | head -n 200  # (the whole report comes back in $OUT/ncu-detail.txt)
+fi
+
+# Where inside one decode kernel the time goes: Nsight Compute's source page (SASS, with the warp-stall
+# samples per instruction) for NCU_KERNEL (default the short-cache attention), warm caches, one launch
+# at NCU_SKIP (past the first steps, so the cache holds some keys). The whole page comes back in
+# $OUT/ncu-source.csv; the instructions with the most stall samples are printed.
+if want ncu-source; then
+  [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
+  FITMOE_NO_GRAPHS=1 ncu --clock-control none --cache-control none --kernel-name "regex:${NCU_KERNEL:-attn_dec_group}" \
+    --launch-skip "${NCU_SKIP:-2000}" --launch-count 1 --section SourceCounters --section WarpStateStats \
+    --import-source no --page source --print-source sass --csv \
+    "$BIN/fitmoe" bench -m "$MODEL" -p 0 -n 64 -r 1 > "$OUT/ncu-source.csv" 2> "$OUT/ncu-source.err"
+  tail -n 3 "$OUT/ncu-source.err"
+  python3 - "$OUT/ncu-source.csv" <<'PY'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1], errors="replace")))
+head = next((i for i, r in enumerate(rows) if any("Source" in c for c in r)), None)
+if head is None:
+    print("no source table in the report; its first lines:"); [print(",".join(r)[:160]) for r in rows[:8]]; sys.exit()
+cols = rows[head]
+stall = next((j for j, c in enumerate(cols) if "Warp Stall Sampling (All" in c), None)
+src = next(j for j, c in enumerate(cols) if "Source" in c)
+body = [r for r in rows[head + 1:] if len(r) == len(cols)]
+if stall is None:
+    print("columns:", cols[:12]); sys.exit()
+num = lambda v: float(v.replace(",", "") or 0)
+total = sum(num(r[stall]) for r in body) or 1
+print(f"{len(body)} instructions, {total:.0f} stall samples; the top 25:")
+for r in sorted(body, key=lambda r: -num(r[stall]))[:25]:
+    print(f"{100 * num(r[stall]) / total:5.1f}%  {r[src][:110]}")
+PY
 fi
 
 # A decode timeline from Nsight Systems (CUDA graphs traced per node): kernels overlap under programmatic
