@@ -2,13 +2,25 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <unordered_set>
+
+#include "runtime/error.h"
 
 namespace fitmoe {
 
 int32_t Sampler::sample(const float* logits, int n_vocab, std::span<const int32_t> history) {
   cand_.resize(static_cast<size_t>(n_vocab));
-  for (int i = 0; i < n_vocab; ++i) cand_[i] = {logits[i], i};
+  int n_nan = 0;
+  for (int i = 0; i < n_vocab; ++i) {
+    cand_[i] = {logits[i], i};
+    n_nan += std::isnan(logits[i]);
+  }
+  // NaN logits come from NaN or infinite weights or activations: any token drawn from them would be
+  // garbage, so say so instead.
+  if (n_nan > 0)
+    throw Error("the model produced " + std::to_string(n_nan) + " NaN logits of " + std::to_string(n_vocab) +
+                " (its weights, or the activations computed from them, hold NaN or infinite values)");
 
   if (p_.repeat_penalty != 1.0f && p_.repeat_last_n != 0) {
     size_t n = p_.repeat_last_n < 0 ? history.size() : std::min<size_t>(history.size(), p_.repeat_last_n);

@@ -21,7 +21,8 @@ struct SamplerParams {
 class Sampler {
  public:
   explicit Sampler(const SamplerParams& p) : p_(p), rng_(p.seed) {}
-  // history: tokens seen so far (prompt and generated), for the repetition penalty.
+  // history: tokens seen so far (prompt and generated), for the repetition penalty. Throws Error when
+  // any logit is NaN.
   int32_t sample(const float* logits, int n_vocab, std::span<const int32_t> history);
   const SamplerParams& params() const { return p_; }
 
