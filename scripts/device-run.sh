@@ -53,8 +53,11 @@ if want all gpu gpubench; then
     name=${cfg%%|*}; flags=${cfg#*|}
     case " ${SKIP_CONFIGS:-} " in *" $name "*) continue ;; esac
     echo "== GPU bench: $name ($flags)"
+    # (One log for all configurations: the device tool brings back at most 8 files per call.)
     "$BIN/fitmoe" bench -m "$MODEL" $flags --json > "$OUT/gpu-$name.json" 2> "$OUT/gpu-$name.err"
     tail -n 3 "$OUT/gpu-$name.err"
+    { echo "== $name"; cat "$OUT/gpu-$name.err"; } >> "$OUT/gpu-bench.log"
+    rm -f "$OUT/gpu-$name.err"
     python3 - "$OUT/gpu-$name.json" "$name" <<'PY'
 import json, sys
 try:
