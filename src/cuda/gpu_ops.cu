@@ -239,7 +239,7 @@ __device__ __forceinline__ void write_renormalised(float my_w, int my_i, int k, 
 
 // Token t's routing by one warp, for up to 32 * VPL experts: lane l holds experts l, l + 32, ... in
 // registers, so that the logits are loaded all at once and the softmax and the k rounds of the top-k
-// touch no memory (the shared-memory version below, for more experts, is latency-bound: about 4 us).
+// touch no memory (route_topk_warp's shared-memory version, for more experts, is latency-bound: about 4 us).
 // The same results as the shared-memory version: the same per-lane order of the double sum, strict '>'
 // in ascending expert order per lane and the lower index on ties across lanes.
 template <int VPL>
