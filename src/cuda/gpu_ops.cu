@@ -812,6 +812,12 @@ void with_quant_type(DType t, const char* what, F&& f) {
   }
 }
 
+// Gate and up matrices one gated mat-vec can take together: quantized, of one type and shape.
+bool gate_up_pair(const DevMatrix& gate, const DevMatrix& up) {
+  return up.type == gate.type && up.rows == gate.rows && up.cols == gate.cols && up.mat_bytes == gate.mat_bytes &&
+         up.n_mats == gate.n_mats && !is_float_type(gate.type);
+}
+
 void launch_matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_t ld_y, const int32_t* ids,
                    const int32_t* slot_of, int n_slots, const int32_t* act_row, cudaStream_t s, const char* what,
                    const DevMatrix* up = nullptr) {
@@ -821,8 +827,7 @@ void launch_matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y,
   a.act_row = act_row;
   if (up) {
     check_weight(*up, what);
-    if (up->type != w.type || up->rows != w.rows || up->cols != w.cols || up->mat_bytes != w.mat_bytes ||
-        up->n_mats != w.n_mats || is_float_type(w.type) || !ids || n_tokens != 1)
+    if (!gate_up_pair(w, *up) || !ids || n_tokens != 1)
       fail(std::string(what) + ": gate and up must be quantized matrices of one type and shape, in experts mode");
     a.w2 = up->data;
   }
@@ -1207,15 +1212,12 @@ __global__ void swiglu_kernel(const float* gate, const float* up, float* out, in
   out[i] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), up[i]);
 }
 
-// One CTA per token: the angle table by repeated multiplication (thread 0, as the reference), the
-// cos/sin in double (correctly rounded to float in all but astronomically rare cases, like glibc),
-// then every head's pairs.
-__global__ void rope_neox_kernel(float* x, int n_heads, int head_dim, int64_t ld, int n_rot, const int32_t* pos,
-                                 float theta_scale, float freq_scale) {
-  extern __shared__ float tab[];  // [half] cos, [half] sin
-  const int t = blockIdx.x, half = n_rot / 2;
+// The NeoX rotation table of position p: cos of pair i in tab[i], sin in tab[half + i] (angles as the
+// CPU's rope: freq_scale * p * theta_scale^i, the power by repeated products in float, sincos in double).
+// Called by the whole CTA; ends with a barrier.
+__device__ __forceinline__ void rope_table(float* tab, int p, int half, float theta_scale, float freq_scale) {
   if (threadIdx.x == 0) {
-    float theta = static_cast<float>(pos[t]);
+    float theta = static_cast<float>(p);
     for (int i = 0; i < half; ++i) {
       tab[i] = __fmul_rn(freq_scale, theta);
       theta = __fmul_rn(theta, theta_scale);
@@ -1229,6 +1231,15 @@ __global__ void rope_neox_kernel(float* x, int n_heads, int head_dim, int64_t ld
     tab[half + i] = static_cast<float>(sn);
   }
   __syncthreads();
+}
+
+// One CTA per token: the rotation table (rope_table: the cos/sin in double are correctly rounded to
+// float in all but astronomically rare cases, like glibc), then every head's pairs.
+__global__ void rope_neox_kernel(float* x, int n_heads, int head_dim, int64_t ld, int n_rot, const int32_t* pos,
+                                 float theta_scale, float freq_scale) {
+  extern __shared__ float tab[];  // [half] cos, [half] sin
+  const int t = blockIdx.x, half = n_rot / 2;
+  rope_table(tab, pos[t], half, theta_scale, freq_scale);
   float* xt = x + t * ld;
   for (int k = threadIdx.x; k < n_heads * half; k += blockDim.x) {
     const int h = k / half, i = k % half;
@@ -1335,27 +1346,6 @@ __global__ void kv_store_v_kernel(T* __restrict__ v, const int32_t* __restrict__
 // query heads, then the n_head_kv key heads, then the n_head_kv value heads), RMSNorm of the head with
 // its weight and NeoX RoPE for q and k (q in place, k into the cache), and v into the cache. The same
 // arithmetic as rms_norm_kernel + rope_neox_kernel + kv_store_*_kernel, so the bits are the same.
-// The NeoX rotation table of position p: cos of pair i in tab[i], sin in tab[half + i] (angles as the
-// CPU's rope: freq_scale * p * theta_scale^i, the power by repeated products in float, sincos in double).
-// Called by the whole CTA; ends with a barrier.
-__device__ __forceinline__ void rope_table(float* tab, int p, int half, float theta_scale, float freq_scale) {
-  if (threadIdx.x == 0) {
-    float theta = static_cast<float>(p);
-    for (int i = 0; i < half; ++i) {
-      tab[i] = __fmul_rn(freq_scale, theta);
-      theta = __fmul_rn(theta, theta_scale);
-    }
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    double sn, cn;
-    sincos(static_cast<double>(tab[i]), &sn, &cn);
-    tab[i] = static_cast<float>(cn);
-    tab[half + i] = static_cast<float>(sn);
-  }
-  __syncthreads();
-}
-
 template <typename T>
 __global__ void qk_norm_rope_store_kernel(float* q, int64_t ld_q, const float* __restrict__ k, int64_t ld_k,
                                           const float* __restrict__ v, int64_t ld_v, const float* __restrict__ q_norm,
@@ -2843,8 +2833,7 @@ void matvec_experts_glu_routed(const DevMatrix& gate, const DevMatrix& up, const
   if (!logits || !ids || !weights) fail("matvec_experts_glu_routed: logits, ids and weights are required");
   MvArgs a = mv_args(gate, acts, 1, y, ld_y, "matvec_experts_glu_routed");
   check_weight(up, "matvec_experts_glu_routed");
-  if (up.type != gate.type || up.rows != gate.rows || up.cols != gate.cols || up.mat_bytes != gate.mat_bytes ||
-      up.n_mats != gate.n_mats || is_float_type(gate.type))
+  if (!gate_up_pair(gate, up))
     fail("matvec_experts_glu_routed: gate and up must be quantized matrices of one type and shape");
   if (!slot_of && gate.n_mats < n_expert) fail("matvec_experts_glu_routed: fewer matrices than experts, and no slot_of");
   a.w2 = up.data;
