@@ -160,6 +160,55 @@ __device__ __forceinline__ void load_act(const uint8_t* row, int64_t blk, int p,
   }
 }
 
+// Q8_K: one warp per 256-value block xb, 8 consecutive values per lane, into the 292-byte block blk.
+__device__ __forceinline__ void quantize_q8k_block(const float* xb, uint8_t* blk, int lane) {
+  xb += 8 * lane;
+  float v[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = xb[j];
+  // The value of largest magnitude, the first one on ties (as the reference's strict '>').
+  float amax = 0.0f, mx = 0.0f;
+  int idx = INT_MAX;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float ax = fabsf(v[j]);
+    if (ax > amax) {
+      amax = ax;
+      mx = v[j];
+      idx = 8 * lane + j;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float oa = __shfl_xor_sync(kFull, amax, o);
+    const float om = __shfl_xor_sync(kFull, mx, o);
+    const int oi = __shfl_xor_sync(kFull, idx, o);
+    if (oa > amax || (oa == amax && oi < idx)) {
+      amax = oa;
+      mx = om;
+      idx = oi;
+    }
+  }
+  uint32_t packed[2] = {0, 0};
+  int s = 0;
+  float d = 0.0f;
+  if (amax != 0.0f) {
+    const float iscale = __fdiv_rn(-127.0f, mx);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int q = min(__float2int_rn(__fmul_rn(iscale, v[j])), 127);
+      s += q;
+      packed[j / 4] |= (static_cast<uint32_t>(q) & 0xffu) << (8 * (j % 4));
+    }
+    d = __fdiv_rn(1.0f, iscale);
+  }
+  reinterpret_cast<uint32_t*>(blk + 4 + 8 * lane)[0] = packed[0];
+  reinterpret_cast<uint32_t*>(blk + 4 + 8 * lane)[1] = packed[1];
+  const int bs = s + __shfl_xor_sync(kFull, s, 1);
+  if ((lane & 1) == 0) reinterpret_cast<int16_t*>(blk + 260)[lane / 2] = static_cast<int16_t>(bs);
+  if (lane == 0) *reinterpret_cast<float*>(blk) = d;
+}
+
 // Adds one block's contribution (on the lane holding part 0 of the block) to acc. Lanes sharing a
 // super-block first sum their integer partial sums exactly (all lanes of the warp must call this).
 template <DType T>
@@ -225,15 +274,19 @@ __device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
 
 // The end of a token's routing: choice j sits in lane j % 32 (my_w, my_i); the chosen weights are
 // summed in choice order (in double) and each lane writes its own choice, renormalised.
-__device__ __forceinline__ void write_renormalised(float my_w, int my_i, int k, int32_t* ti, float* tw) {
-  const int lane = threadIdx.x & 31;
+__device__ __forceinline__ float renormalised(float my_w, int k) {
   double ws = 0.0;
 #pragma unroll 8
   for (int j = 0; j < k; ++j) ws += static_cast<double>(__shfl_sync(kFull, my_w, j));  // (the shuffles overlap)
   const float s = fmaxf(static_cast<float>(ws), 6.103515625e-5f);
+  return __fdiv_rn(my_w, s);
+}
+__device__ __forceinline__ void write_renormalised(float my_w, int my_i, int k, int32_t* ti, float* tw) {
+  const int lane = threadIdx.x & 31;
+  const float w = renormalised(my_w, k);
   if (lane < k) {
     ti[lane] = my_i;
-    tw[lane] = __fdiv_rn(my_w, s);
+    tw[lane] = w;
   }
 }
 
@@ -648,6 +701,78 @@ __global__ void __launch_bounds__(kMvWarps * 32) mv_float_split_kernel(const MvA
   mv_float_split_body<E, NT, VEC>(a);
 }
 
+// 1 / sqrt(mean of squares + eps) from the sum of squares, as the CPU reference rounds it.
+__device__ __forceinline__ float rms_scale_of(double sum, int n, float eps) {
+  const float ms = static_cast<float>(__dadd_rn(__ddiv_rn(sum, static_cast<double>(n)), static_cast<double>(eps)));
+  return __fdiv_rn(1.0f, __fsqrt_rn(ms));
+}
+
+// The FFN side of an all-GPU decode layer, in the router's launch: every CTA (one per router row, 128
+// threads) forms xm = x + y (not stored: the FFN block's residual_norm adds y again as its y0), the
+// norm xn = rms_norm(xm) * w in shared memory, and its row's logit, the F32 product of
+// mv_float_split_body. The norm's sum is residual_norm's for 256 threads (each thread here holds two
+// of them, tid and tid + 128; the warp sums then reduce in the same tree), so xn has the same bits, and
+// CTA b < n / 256 writes Q8_K block b of it for the experts. One launch fewer than residual_norm +
+// router per layer.
+constexpr int kFoldMaxPerThread = 16;  // n <= 16 * 256
+__global__ void __launch_bounds__(kMvWarps * 32) residual_norm_router_kernel(
+    const float* x, const float* y, const float* __restrict__ w, int n, float eps, const uint8_t* __restrict__ router,
+    size_t row_bytes, float* logits, uint8_t* xq) {
+  __shared__ __align__(16) float xn_sh[kFoldMaxPerThread * 256];
+  __shared__ double part[2 * kMvWarps];
+  __shared__ float dot_part[kMvWarps];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nb = n / 256;
+  const int64_t row = blockIdx.x;
+  const uint8_t* wr = router + row * row_bytes;
+  prefetch_l2(wr, row_bytes, tid, kMvWarps * 32);
+  float wv[2][kFoldMaxPerThread];  // (norm weights: never written, fetched before the wait)
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int u = 0; u < kFoldMaxPerThread; ++u) wv[h][u] = u < nb ? w[tid + 128 * h + 256 * u] : 0.0f;
+  pdl_enter();
+  float v[2][kFoldMaxPerThread];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int u = 0; u < kFoldMaxPerThread; ++u) {
+      const int i = tid + 128 * h + 256 * u;
+      v[h][u] = u < nb ? __fadd_rn(x[i], y[i]) : 0.0f;
+    }
+  double sq[2] = {0.0, 0.0};
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int u = 0; u < kFoldMaxPerThread; ++u)
+      if (u < nb) sq[h] += static_cast<double>(__fmul_rn(v[h][u], v[h][u]));
+  // residual_norm's warps 0-3 are this CTA's warps' first halves, its warps 4-7 their second halves.
+  const double s0 = warp_sum(sq[0]), s1 = warp_sum(sq[1]);
+  if (lane == 0) part[warp] = s0, part[warp + kMvWarps] = s1;
+  __syncthreads();
+  double tot = lane < 2 * kMvWarps ? part[lane] : 0.0;
+  tot = warp_sum(tot);
+  const float scale = rms_scale_of(tot, n, eps);
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int u = 0; u < kFoldMaxPerThread; ++u)
+      if (u < nb) xn_sh[tid + 128 * h + 256 * u] = __fmul_rn(__fmul_rn(v[h][u], scale), wv[h][u]);
+  __syncthreads();
+  float acc[1];
+  float_row_partial<float, 1, true>(wr, reinterpret_cast<const uint8_t*>(xn_sh), 0, n, 1, tid, kMvWarps * 32, acc);
+  const float d = warp_sum(acc[0]);
+  if (lane == 0) dot_part[warp] = d;
+  if (row < nb && warp == kMvWarps - 1)
+    quantize_q8k_block(xn_sh + 256 * row, xq + static_cast<size_t>(row) * 292, lane);
+  __syncthreads();
+  if (tid == 0) {
+    float o = dot_part[0];
+#pragma unroll
+    for (int k = 1; k < kMvWarps; ++k) o = __fadd_rn(o, dot_part[k]);
+    logits[row] = o;
+  }
+}
+
 // Routed experts with their combination fused (decode, every chosen expert on the device): for token
 // t = blockIdx.y and each row, the k slots' products v_j (each exactly as mmvq_kernel computes it,
 // activation row = slot) are combined as moe_combine does, y[t][r] = sum_j wts[t*k+j] * v_j in j order.
@@ -690,6 +815,54 @@ __global__ void __launch_bounds__(MAXK * 32) mmvq_combine_kernel(const MvArgs a,
   float o = __fmul_rn(v[0][r], wt[0]);
   for (int i = 1; i < k; ++i) o = __fadd_rn(o, __fmul_rn(v[i][r], wt[i]));
   a.y[t * a.ld_y + row0 + r] = o;
+}
+
+// Down + combine for one token whose experts routed for themselves (mmvq_glu_routed_kernel) and whose
+// SwiGLU output g is still float: no quantize launch between the two. Before its wait the kernel makes
+// the routing's choices and weights itself from the router's logits (written two kernels back, so
+// final; the same function and inputs as the gate+up kernel's, so the same bits) and hints the chosen
+// rows into L2; after it, warp j turns slot j's row of g into Q8_K in shared memory (quantize_q8k_block,
+// the bits quant_q8k_kernel writes) and computes its products from there. Every expert on the device in
+// id order (no slot map); a choice out of range gives NaN rows.
+template <DType T>
+__global__ void __launch_bounds__(8 * 32) mmvq_combine_routed_kernel(const MvArgs a, const float* __restrict__ g,
+                                                                     int64_t ld_g) {
+  extern __shared__ __align__(16) uint8_t gq[];  // [k][act_stride]: each slot's g in Q8_K
+  __shared__ float v[8][kCombineRows];
+  __shared__ int e_sh[8];
+  __shared__ float w_sh[8];
+  const int j = threadIdx.x >> 5, lane = threadIdx.x & 31, k = a.route_k;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kCombineRows;
+  if (j == 0) {
+    float my_w;
+    int my_i;
+    route_choose(a.route_logits, a.route_n, k, my_w, my_i);
+    const float w = renormalised(my_w, k);
+    if (lane < k) e_sh[lane] = my_i, w_sh[lane] = w;
+  }
+  __syncthreads();
+  const int e = j < k ? e_sh[j] : -1;
+  const bool have = e >= 0 && e < a.n_mats;
+  const uint8_t* wm = a.w + static_cast<size_t>(have ? e : 0) * a.mat_bytes + row0 * a.row_bytes;
+  if (have) prefetch_l2(wm, (a.rows - row0 < kCombineRows ? a.rows - row0 : kCombineRows) * a.row_bytes, lane, 32);
+  pdl_enter();
+  if (j < k) {
+    uint8_t* q = gq + static_cast<size_t>(j) * a.act_stride;
+    const float* gr = g + static_cast<int64_t>(j) * ld_g;
+    for (int64_t b = 0; b < a.cols / 256; ++b) quantize_q8k_block(gr + 256 * b, q + 292 * b, lane);
+    __syncwarp();
+    if (!have) {
+      if (lane < kCombineRows) v[j][lane] = __int_as_float(0x7fc00000);
+    } else {
+      mmvq_rows<T, 1, kCombineRows, false>(a, wm, nullptr, a.row_bytes, q, v[j], a.rows - row0, 0, 0, lane);
+    }
+  }
+  __syncthreads();
+  const int r = threadIdx.x;
+  if (r >= kCombineRows || row0 + r >= a.rows) return;
+  float o = __fmul_rn(v[0][r], w_sh[0]);
+  for (int i = 1; i < k; ++i) o = __fadd_rn(o, __fmul_rn(v[i][r], w_sh[i]));
+  a.y[row0 + r] = o;
 }
 
 template <DType T, int NT, DType T2 = T>
@@ -878,56 +1051,6 @@ __global__ void quant_q8_kernel(const float* __restrict__ x, int64_t n, int rows
   for (int i = 0; i < kHead + 16; ++i) out[i] = w[i];
 }
 
-// Q8_K: one warp per 256-value block xb, 8 consecutive values per lane, into the 292-byte block blk.
-__device__ __forceinline__ void quantize_q8k_block(const float* xb, uint8_t* blk, int lane) {
-  xb += 8 * lane;
-  float v[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) v[j] = xb[j];
-  // The value of largest magnitude, the first one on ties (as the reference's strict '>').
-  float amax = 0.0f, mx = 0.0f;
-  int idx = INT_MAX;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float ax = fabsf(v[j]);
-    if (ax > amax) {
-      amax = ax;
-      mx = v[j];
-      idx = 8 * lane + j;
-    }
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float oa = __shfl_xor_sync(kFull, amax, o);
-    const float om = __shfl_xor_sync(kFull, mx, o);
-    const int oi = __shfl_xor_sync(kFull, idx, o);
-    if (oa > amax || (oa == amax && oi < idx)) {
-      amax = oa;
-      mx = om;
-      idx = oi;
-    }
-  }
-  uint32_t packed[2] = {0, 0};
-  int s = 0;
-  float d = 0.0f;
-  if (amax != 0.0f) {
-    const float iscale = __fdiv_rn(-127.0f, mx);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int q = min(__float2int_rn(__fmul_rn(iscale, v[j])), 127);
-      s += q;
-      packed[j / 4] |= (static_cast<uint32_t>(q) & 0xffu) << (8 * (j % 4));
-    }
-    d = __fdiv_rn(1.0f, iscale);
-  }
-  reinterpret_cast<uint32_t*>(blk + 4 + 8 * lane)[0] = packed[0];
-  reinterpret_cast<uint32_t*>(blk + 4 + 8 * lane)[1] = packed[1];
-  const int bs = s + __shfl_xor_sync(kFull, s, 1);
-  if ((lane & 1) == 0) reinterpret_cast<int16_t*>(blk + 260)[lane / 2] = static_cast<int16_t>(bs);
-  if (lane == 0) *reinterpret_cast<float*>(blk) = d;
-}
-
-
 __global__ void quant_q8k_kernel(const float* __restrict__ x, int64_t n, int rows, int64_t ld_x, uint8_t* __restrict__ dst,
                                  size_t stride) {
   pdl_enter();
@@ -1072,9 +1195,7 @@ __device__ __forceinline__ float block_rms_scale(double s, int n, float eps, dou
     if (tid == 0) part[0] = t;
   }
   __syncthreads();
-  const double sum = part[0];
-  const float ms = static_cast<float>(__dadd_rn(__ddiv_rn(sum, static_cast<double>(n)), static_cast<double>(eps)));
-  return __fdiv_rn(1.0f, __fsqrt_rn(ms));
+  return rms_scale_of(part[0], n, eps);
 }
 
 constexpr int kNormThreads = 256;  // every row norm runs with this many threads (same partial sums)
@@ -1109,19 +1230,24 @@ __global__ void rms_norm_kernel(const float* x, const float* __restrict__ w, flo
 // The end of a block, fused: x += y (or x += the routed experts' combination of ey with wts, as
 // moe_combine_kernel; or neither: x as it is), then xn = rms_norm(x) * w when xn is given, and xn in
 // Q8_K when xq is given (the next mat-vec's input, as quant_q8k_kernel makes it). One CTA of
-// kNormThreads per row.
-template <int MAXK>
-__global__ void residual_norm_kernel(float* x, const float* __restrict__ y, const float* __restrict__ ey,
-                                     const float* __restrict__ wts, int k, const float* __restrict__ w,
-                                     float* __restrict__ xn, uint8_t* __restrict__ xq, int n, float eps) {
+// kNormThreads per row. With y0 (and y, no ey): x = (x + y0) + y, an add a kernel before deferred here
+// (residual_norm_router leaves x as it is).
+// Stage (experimental): a row's loads all in flight at once, and the Q8_K made from a copy of xn in
+// shared memory rather than read back from global memory.
+template <int MAXK, bool Stage>
+__global__ void residual_norm_kernel(float* x, const float* __restrict__ y0, const float* __restrict__ y,
+                                     const float* __restrict__ ey, const float* __restrict__ wts, int k,
+                                     const float* __restrict__ w, float* __restrict__ xn, uint8_t* __restrict__ xq,
+                                     int n, float eps) {
   __shared__ double part[32];
   __shared__ const float* src[MAXK > 0 ? MAXK : 1];  // the experts' output rows of this token
   __shared__ float wt[MAXK > 0 ? MAXK : 1];
+  constexpr int kKeep = 16;
+  __shared__ __align__(16) float stage[Stage ? kKeep * kNormThreads : 1];
   const int r = blockIdx.x, tid = threadIdx.x, nth = blockDim.x;
   float* xr = x + static_cast<int64_t>(r) * n;
   // Rows of up to kKeep * blockDim.x values stay in registers between the sum and the scaling, and
   // the norm weights are fetched at the start, so that the loads overlap the reduction's latency.
-  constexpr int kKeep = 16;
   const bool keep = n <= kKeep * nth;
   float wv[kKeep], xs[kKeep];
   if (keep && w && xn) {
@@ -1137,10 +1263,10 @@ __global__ void residual_norm_kernel(float* x, const float* __restrict__ y, cons
     }
     __syncthreads();
   }
-  constexpr int U = MAXK > 8 ? 1 : kNormUnroll;
+  constexpr int U = MAXK > 8 ? 1 : (Stage && MAXK == 0) ? 2 * kNormUnroll : kNormUnroll;
   double s = 0;
   for (int i0 = tid, c = 0; i0 < n; i0 += U * nth, c += U) {
-    float o[U], xv[U];
+    float o[U], o0[U], xv[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int i = i0 + u * nth;
@@ -1156,6 +1282,7 @@ __global__ void residual_norm_kernel(float* x, const float* __restrict__ y, cons
           if (j < k) o[u] = __fadd_rn(o[u], __fmul_rn(v[j], wt[j]));
       } else {
         o[u] = in && y ? y[static_cast<int64_t>(r) * n + i] : 0.0f;
+        o0[u] = in && y0 ? y0[static_cast<int64_t>(r) * n + i] : 0.0f;
       }
     }
 #pragma unroll
@@ -1164,7 +1291,8 @@ __global__ void residual_norm_kernel(float* x, const float* __restrict__ y, cons
       if (i < n) {
         // (Neither y nor ey: x stays as it is, the sign of a zero included, and is only normed.)
         const bool add = MAXK > 0 || y;
-        const float v = add ? __fadd_rn(xv[u], o[u]) : xv[u];
+        const float x0 = MAXK == 0 && y0 ? __fadd_rn(xv[u], o0[u]) : xv[u];
+        const float v = add ? __fadd_rn(x0, o[u]) : x0;
         if (add) xr[i] = v;
         s += static_cast<double>(__fmul_rn(v, v));
 #pragma unroll
@@ -1181,8 +1309,10 @@ __global__ void residual_norm_kernel(float* x, const float* __restrict__ y, cons
     for (int u = 0; u < kKeep; ++u) {
       const int i = tid + u * nth;
       if (i < n) {
-        const float v = __fmul_rn(xs[u], scale);
-        yr[i] = w ? __fmul_rn(v, wv[u]) : v;
+        float v = __fmul_rn(xs[u], scale);
+        v = w ? __fmul_rn(v, wv[u]) : v;
+        yr[i] = v;
+        if constexpr (Stage) stage[i] = v;
       }
     }
   } else {
@@ -1193,9 +1323,10 @@ __global__ void residual_norm_kernel(float* x, const float* __restrict__ y, cons
   }
   if (!xq) return;
   __syncthreads();  // the row of xn, written by the whole CTA, is visible to all its threads
+  const float* qsrc = Stage && keep ? stage : yr;
   const size_t stride = static_cast<size_t>(n / 256) * 292;
   for (int b = tid >> 5; b < n / 256; b += nth >> 5)
-    quantize_q8k_block(yr + 256 * b, xq + r * stride + static_cast<size_t>(b) * 292, tid & 31);
+    quantize_q8k_block(qsrc + 256 * b, xq + r * stride + static_cast<size_t>(b) * 292, tid & 31);
 }
 
 __global__ void add_kernel(float* x, const float* __restrict__ y, int64_t n) {
@@ -2678,21 +2809,56 @@ void rms_norm(const float* x, const float* w, float* y, int n, int rows, float e
   launched("rms_norm");
 }
 
+// FITMOE_EXP containing "norm_stage": residual_norm_kernel's Stage form (an experiment).
+bool norm_stage() {
+  static const bool on = [] {
+    std::string v = std::getenv("FITMOE_EXP") ? std::getenv("FITMOE_EXP") : "";
+    std::replace(v.begin(), v.end(), ',', ' ');
+    return (" " + v + " ").find(" norm_stage ") != std::string::npos;
+  }();
+  return on;
+}
+
+template <bool Stage>
+void launch_residual_norm(float* x, const float* y0, const float* y, const float* ey, const float* wts, int k,
+                          const float* w, float* xn, uint8_t* q, int n, int rows, float eps, cudaStream_t st) {
+  if (!ey) launch(residual_norm_kernel<0, Stage>, rows, kNormThreads, 0, st, x, y0, y, ey, wts, k, w, xn, q, n, eps);
+  else if (k <= 8) launch(residual_norm_kernel<8, Stage>, rows, kNormThreads, 0, st, x, y0, y, ey, wts, k, w, xn, q, n, eps);
+  else launch(residual_norm_kernel<32, Stage>, rows, kNormThreads, 0, st, x, y0, y, ey, wts, k, w, xn, q, n, eps);
+}
+
 void residual_norm(float* x, const float* y, const float* ey, const float* wts, int k, const float* w, float* xn,
-                   int n, int rows, float eps, Stream s, void* xq) {
+                   int n, int rows, float eps, Stream s, void* xq, const float* y0) {
   if (rows <= 0 || n <= 0) return;
   if (y && ey) fail("residual_norm: give at most one of y and ey");
+  if (y0 && !y) fail("residual_norm: y0 comes with y");
   if (!y && !ey && !xn) fail("residual_norm: nothing to do");
   if (ey && (!wts || k <= 0)) fail("residual_norm: the experts' combination needs weights and k > 0");
+  if (ey && k > 32) fail("residual_norm: at most 32 experts per token");
   if (xq && (!xn || n % 256 != 0 || !aligned(xq, 4)))
     fail("residual_norm: the Q8_K copy needs xn, rows a multiple of 256 values and 4-byte alignment");
   const cudaStream_t st = cs(s);
   uint8_t* q = static_cast<uint8_t*>(xq);
-  if (!ey) launch(residual_norm_kernel<0>, rows, kNormThreads, 0, st, x, y, ey, wts, k, w, xn, q, n, eps);
-  else if (k <= 8) launch(residual_norm_kernel<8>, rows, kNormThreads, 0, st, x, y, ey, wts, k, w, xn, q, n, eps);
-  else if (k <= 32) launch(residual_norm_kernel<32>, rows, kNormThreads, 0, st, x, y, ey, wts, k, w, xn, q, n, eps);
-  else fail("residual_norm: at most 32 experts per token");
+  if (norm_stage()) launch_residual_norm<true>(x, y0, y, ey, wts, k, w, xn, q, n, rows, eps, st);
+  else launch_residual_norm<false>(x, y0, y, ey, wts, k, w, xn, q, n, rows, eps, st);
   launched("residual_norm");
+}
+
+void residual_norm_router(const float* x, const float* y, const float* w, int n, float eps, const DevMatrix& router,
+                          float* logits, void* xq, Stream s) {
+  if (!x || !y || !w || !logits || !xq) fail("residual_norm_router: x, y, w, logits and xq are required");
+  if (n <= 0 || n % 256 != 0 || n > kFoldMaxPerThread * 256)
+    fail("residual_norm_router: rows of 256 to " + std::to_string(kFoldMaxPerThread * 256) +
+         " values in whole Q8_K blocks only, not " + std::to_string(n));
+  check_weight(router, "residual_norm_router");
+  if (router.type != DType::F32 || router.cols != n || router.n_mats != 1 || !aligned(router.data, 16) ||
+      router.row_bytes % 16 != 0)
+    fail("residual_norm_router: an aligned F32 router of the rows' width only");
+  if (router.rows < n / 256) fail("residual_norm_router: fewer router rows than Q8_K blocks to write");
+  if (!aligned(xq, 4)) fail("residual_norm_router: the Q8_K rows must be 4-byte aligned");
+  launch(residual_norm_router_kernel, static_cast<unsigned>(router.rows), kMvWarps * 32, 0, cs(s), x, y, w, n, eps,
+         router.data, router.row_bytes, logits, static_cast<uint8_t*>(xq));
+  launched("residual_norm_router");
 }
 
 void add(float* x, const float* y, int64_t n, Stream s) {
@@ -2873,6 +3039,30 @@ void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_
     launch(mmvq_combine_kernel<decltype(T)::value, 8>, grid, 8 * 32, 0, st, a, wts, k);
   });
   launched("matvec_experts_combine");
+}
+
+void matvec_experts_combine_routed(const DevMatrix& w, const float* logits, int n_expert, int k, const float* g,
+                                   int64_t ld_g, float* y, Stream s) {
+  if (n_expert <= 0 || n_expert > kRouteInExpertsMax || k <= 0 || k > 8 || k > n_expert)
+    fail("matvec_experts_combine_routed: 1 to 8 of at most " + std::to_string(kRouteInExpertsMax) + " experts");
+  if (!logits || !g || !y) fail("matvec_experts_combine_routed: logits, g and y are required");
+  if (is_float_type(w.type) || dtype_info(w.type).act_type != DType::Q8_K)
+    fail("matvec_experts_combine_routed: experts of a quantized type that takes Q8_K activations only");
+  if (w.n_mats < n_expert) fail("matvec_experts_combine_routed: every expert's matrix must be on the device");
+  if (ld_g < w.cols || !aligned(g, 4)) fail("matvec_experts_combine_routed: bad g rows");
+  // (A dummy Q8_K pointer for the checks: the kernel's activations are its own, in shared memory.)
+  MvArgs a = mv_args(w, g, 1, y, w.rows, "matvec_experts_combine_routed");
+  a.route_logits = logits;
+  a.route_n = n_expert;
+  a.route_k = k;
+  const size_t smem = static_cast<size_t>(k) * a.act_stride;
+  if (smem > 48 * 1024) fail("matvec_experts_combine_routed: expert rows too long for shared memory");
+  const dim3 grid(blocks_for(w.rows, kCombineRows), 1);
+  const cudaStream_t st = cs(s);
+  with_quant_type(w.type, "matvec_experts_combine_routed", [&](auto T) {
+    launch(mmvq_combine_routed_kernel<decltype(T)::value>, grid, 8 * 32, smem, st, a, g, ld_g);
+  });
+  launched("matvec_experts_combine_routed");
 }
 
 void handover_combine(const unsigned* host_flag, const unsigned* epoch, const float* host_rows, const float* ey,

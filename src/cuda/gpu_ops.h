@@ -53,9 +53,16 @@ void add(float* x, const float* y, int64_t n, Stream s);
 // The end of a block for `rows` rows of n values: x += y, or (y null) x += moe_combine(ey, wts, k), or
 // (both null) x as it is; then, when xn is given, xn = rms_norm(x) * w. The same bits as add /
 // moe_combine + rms_norm. With xq, xn is also written as Q8_K rows (the bytes quantize_acts(Q8_K)
-// gives; n a multiple of 256), sparing the next mat-vec's quantization.
+// gives; n a multiple of 256), sparing the next mat-vec's quantization. With y0 (and y): x = (x + y0) + y,
+// the add residual_norm_router defers.
 void residual_norm(float* x, const float* y, const float* ey, const float* wts, int k, const float* w, float* xn,
-                   int n, int rows, float eps, Stream s, void* xq = nullptr);
+                   int n, int rows, float eps, Stream s, void* xq = nullptr, const float* y0 = nullptr);
+// The FFN side of an all-GPU decode layer (one token) in one launch: xn = rms_norm(x + y) * w, the bits
+// of residual_norm, into xq as Q8_K only, and logits = router xn for an F32 router (rows >= n / 256, of
+// width n <= 4096, a multiple of 256). x itself is left as it is: the caller adds y later, through the
+// y0 of the FFN block's residual_norm.
+void residual_norm_router(const float* x, const float* y, const float* w, int n, float eps, const DevMatrix& router,
+                          float* logits, void* xq, Stream s);
 // out = silu(gate) * up
 void swiglu(const float* gate, const float* up, float* out, int64_t n, Stream s);
 // NeoX RoPE in place for tokens at positions pos[t] (device array), as cpu::rope_neox.
@@ -102,6 +109,13 @@ constexpr int kRouteInExpertsMax = 256;
 void matvec_experts_glu_routed(const DevMatrix& gate, const DevMatrix& up, const float* logits, int n_expert, int k,
                                int32_t* ids, float* weights, const int32_t* slot_of, const void* acts, float* y,
                                int64_t ld_y, Stream s);
+// Down + combine after matvec_experts_glu_routed (one token, every expert on the device in id order):
+// makes the same choices and weights from the same logits itself, converts slot j's float row j of g
+// (ld_g apart) to Q8_K in shared memory, and writes y[r] = the combination, the very bits of
+// quantize_acts(Q8_K) + matvec_experts_combine with route_topk's choices. One launch fewer per layer.
+// Experts whose activations are Q8_K (the k-quants), k <= 8.
+void matvec_experts_combine_routed(const DevMatrix& w, const float* logits, int n_expert, int k, const float* g,
+                                   int64_t ld_g, float* y, Stream s);
 // dst[dst_rows ? dst_rows[i] : i] = src[src_rows ? src_rows[i] : i] for i < n rows of `width` floats.
 // Hybrid decode, the GPU side of the hand-over from the CPU's experts, with their combination: waits
 // until *host_flag (pinned host memory, device view) equals *epoch (device), then for each token

@@ -157,6 +157,7 @@ class GpuState final : public ModelState {
   int graphs_variant = -1;    // gpu::attention_decode_variant the graphs were captured with
   // Device scratch.
   float *x = nullptr, *xn = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *att = nullptr, *y = nullptr;
+  float* y_attn = nullptr;  // the attention output when its residual add is deferred (fold_norm below)
   float *rlogits = nullptr, *wts = nullptr, *g = nullptr, *u = nullptr, *ey = nullptr, *logits = nullptr;
   float *xg = nullptr;
   int32_t *ids = nullptr, *pos = nullptr, *tokens = nullptr, *act_row = nullptr, *ident = nullptr, *idx_a = nullptr,
@@ -218,6 +219,17 @@ bool route_in_experts() {
     return !(e && std::string(e) == "0");
   }();
   return on;
+}
+
+// Experimental switches for A/B measurements on the GPU machine (FITMOE_EXP=down_quant,fold_norm,...):
+// a change stays only when measured faster, and then without its switch.
+bool exp_on(const char* name) {
+  static const std::string list = [] {
+    std::string v = std::getenv("FITMOE_EXP") ? std::getenv("FITMOE_EXP") : "";
+    std::replace(v.begin(), v.end(), ',', ' ');
+    return " " + v + " ";
+  }();
+  return list.find(" " + std::string(name) + " ") != std::string::npos;
 }
 
 // Where a decode step's GPU time goes (FITMOE_PROFILE=1): graphs are off, each profiled step is queued
@@ -467,6 +479,7 @@ class Qwen3Gpu final : public GpuRunner {
     st.v = st.dev_floats(U * vw, "activations");
     st.att = st.dev_floats(U * aw, "activations");
     st.y = st.dev_floats(U * n, "activations");
+    st.y_attn = st.dev_floats(U * n, "activations");
     st.rlogits = st.dev_floats(U * E, "activations");
     st.wts = st.dev_floats(slots, "activations");
     st.g = st.dev_floats(slots * ff, "activations");
@@ -642,8 +655,26 @@ class Qwen3Gpu final : public GpuRunner {
   }
 
   // ---- the forward pass, in pieces that can be captured into CUDA graphs --------------------------
+  // One token with every expert on the GPU: the gate+up kernel makes the routing itself from the
+  // router's logits (one step fewer on the critical path than router_topk's last CTA).
+  bool routes_in_experts(const GLayer& G, int nt) const {
+    const GExperts& X = G.experts;
+    return G.moe && nt == 1 && X.n_dev == c_.n_expert && !X.gpu_share() && route_in_experts() && G.router.on_gpu() &&
+           c_.n_expert <= gpu::kRouteInExpertsMax && c_.n_expert_used <= 32 && X.gate.type == X.up.type &&
+           !is_float_type(X.gate.type);
+  }
+  // Experimental (FITMOE_EXP=fold_norm): the attention block's residual add and the FFN norm done in
+  // the router's launch (gpu::residual_norm_router), the add itself deferred to the FFN block's end.
+  bool folds_norm(const GLayer& G, int nt) const {
+    return exp_on("fold_norm") && routes_in_experts(G, nt) && G.router.dev.type == DType::F32 &&
+           G.router.dev.cols == c_.n_embd && c_.n_embd % 256 == 0 && c_.n_embd <= 4096 && G.ffn_norm &&
+           dtype_info(G.experts.gate.type).act_type == DType::Q8_K && c_.n_expert_used <= 8 &&
+           !is_float_type(G.experts.down.type);  // (the down kernel then combines into y: residual_norm's y0 path)
+  }
+
   // Attention block of layer l and the FFN norm: x -> x + attn(xn), xn = ffn_norm(x). On entry xn
-  // holds attn_norm(x) (from input_norm or the previous layer's ffn_finish).
+  // holds attn_norm(x) (from input_norm or the previous layer's ffn_finish). With folds_norm the block
+  // ends at the attention output (in y_attn); the router's launch does the rest.
   void attention_block(GpuState& st, ThreadPool& pool, int l, int nt, int pos0) {
     const ModelConfig& c = c_;
     GLayer& G = layers_[l];
@@ -663,9 +694,11 @@ class Qwen3Gpu final : public GpuRunner {
                                     1.0f / std::sqrt(static_cast<float>(hd)), st.att, aw, st.attn_scratch,
                                     st.attn_scratch_bytes, stream_, att_q);
     prof_.mark("attention", stream_);
-    linear(st, pool, G.wo, st.att, nt, st.y, E);
+    const bool fold = folds_norm(G, nt);
+    linear(st, pool, G.wo, st.att, nt, fold ? st.y_attn : st.y, E);
     st.att_q_valid = false;
     prof_.mark("attn output", stream_);
+    if (fold) return;
     const GWeight& next = G.moe ? GWeight{G.experts.gate, nullptr} : G.ffn_gate;
     gpu::residual_norm(st.x, st.y, nullptr, nullptr, 0, G.ffn_norm, st.xn, E, nt, c.rms_eps, stream_,
                        xn_q_for(st, next, nt));
@@ -706,12 +739,12 @@ class Qwen3Gpu final : public GpuRunner {
       pub.slot_of = X.slot_of_dev;
       pub.gpu_share = share ? static_cast<float>(plan_.host_experts_gpu_share) : 0.0f;
     }
-    // One token with every expert on the GPU: the gate+up kernel makes the routing itself from the
-    // router's logits (one step fewer on the critical path than router_topk's last CTA).
-    const bool routed_by_experts = nt == 1 && X.n_dev == c.n_expert && !share && route_in_experts() &&
-                                   G.router.on_gpu() && c.n_expert <= gpu::kRouteInExpertsMax && k <= 32 &&
-                                   X.gate.type == X.up.type && !is_float_type(X.gate.type);
-    if (routed_by_experts) {
+    const bool routed_by_experts = routes_in_experts(G, nt);
+    if (folds_norm(G, nt)) {
+      gpu::residual_norm_router(st.x, st.y_attn, G.ffn_norm, E, c.rms_eps, G.router.dev, st.rlogits, st.xn_q, stream_);
+      st.xn_q_valid = true;
+      prof_.mark("residual + ffn norm + router", stream_);
+    } else if (routed_by_experts) {
       linear(st, pool, G.router, st.xn, nt, st.rlogits, c.n_expert);
       prof_.mark("router", stream_);
     } else if (G.router.on_gpu() &&
@@ -752,6 +785,14 @@ class Qwen3Gpu final : public GpuRunner {
     }
     prof_.mark("experts gate+up", stream_);
     const DevMatrix& down = X.n_dev > 0 ? X.down : X.host_down;
+    if (routed_by_experts && k <= 8 && !X.decode_slot_of() && exp_on("down_quant") &&
+        dtype_info(X.down.type).act_type == DType::Q8_K) {
+      // The down kernel routes again from the logits and quantizes g itself: no quantize launch.
+      gpu::matvec_experts_combine_routed(X.down, st.rlogits, c.n_expert, k, st.g, ff, st.y, stream_);
+      st.ffn_out_combined = true;
+      prof_.mark("experts down", stream_);
+      return;
+    }
     acts = vec_acts(st, down.type, st.g, n_slots, ff);
     if (X.n_dev == c.n_expert && k <= 8 && !is_float_type(X.down.type)) {
       // Every expert on the GPU: the down products combine straight into st.y.
@@ -843,7 +884,8 @@ class Qwen3Gpu final : public GpuRunner {
       gpu::residual_norm(st.x, nullptr, st.ey, st.wts, c_.n_expert_used, next_norm, xn, c_.n_embd, nt, c_.rms_eps,
                          stream_, xq);
     else
-      gpu::residual_norm(st.x, st.y, nullptr, nullptr, 0, next_norm, xn, c_.n_embd, nt, c_.rms_eps, stream_, xq);
+      gpu::residual_norm(st.x, st.y, nullptr, nullptr, 0, next_norm, xn, c_.n_embd, nt, c_.rms_eps, stream_, xq,
+                         folds_norm(layers_[l], nt) ? st.y_attn : nullptr);
     prof_.mark("combine + residual + norm", stream_);
   }
 

@@ -596,6 +596,59 @@ TEST_F(GpuOps, MatvecExpertsCombineEqualsExpertsAndCombine) {
   }
 }
 
+// Down + combine that routes again from the logits and quantizes the float SwiGLU rows itself: the
+// bits of route_topk + quantize_acts(Q8_K) + matvec_experts_combine, for expert counts up to the limit,
+// ties, k below 8, rows of g with a gap (ld_g), and NaN logits (no choice: every row NaN, nothing read
+// out of range).
+TEST_F(GpuOps, MatvecExpertsCombineRoutedEqualsTopkQuantizeAndCombine) {
+  const int64_t cols = 768, rows = 42;  // (42: the last CTA has rows past the end)
+  for (DType t : {DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
+    for (int n_expert : {60, 128, 256}) {
+      HostMatrix w = random_matrix(t, rows, cols, n_expert, 731 + n_expert);
+      auto dw = upload(w.data);
+      DevMatrix m = dev_matrix(w, *dw);
+      for (int k : {8, 3}) {
+        for (int variant = 0; variant < 3; ++variant) {  // plain, ties, NaN logits
+          SCOPED_TRACE(std::string(dtype_name(t)) + " experts " + std::to_string(n_expert) + " k " + std::to_string(k) +
+                       " variant " + std::to_string(variant));
+          std::vector<float> logits = randn(n_expert, 732 + n_expert + k + variant, 2.0f);
+          if (variant == 1)
+            for (int e = 3; e < n_expert; e += 5) logits[e] = 4.0f;
+          if (variant == 2) logits[n_expert / 3] = std::numeric_limits<float>::quiet_NaN();
+          const int64_t ld_g = cols + 32;
+          auto dl = upload(logits);
+          auto dg = upload(randn(static_cast<size_t>(ld_g) * k, 733 + k, 0.7f));
+          Dev y(static_cast<size_t>(rows + 3) * 4), ref(static_cast<size_t>(rows) * 4), ids(k * 4), wts(k * 4),
+              acts(act_bytes(DType::Q8_K, cols, k));
+          matvec_experts_combine_routed(m, dl->as<float>(), n_expert, k, dg->as<float>(), ld_g, y.as<float>(), s());
+          route_topk(dl->as<float>(), 1, n_expert, k, ids.as<int32_t>(), wts.as<float>(), s());
+          quantize_acts(DType::Q8_K, dg->as<float>(), cols, k, ld_g, acts.as(), s());
+          matvec_experts_combine(m, ids.as<int32_t>(), nullptr, 1, k, acts.as(), wts.as<float>(), ref.as<float>(), rows,
+                                 s());
+          sync();
+          auto a = y.down<float>(static_cast<size_t>(rows + 3)), b = ref.down<float>(static_cast<size_t>(rows));
+          for (int64_t r = 0; r < rows + 3; ++r) {
+            if (r >= rows) ASSERT_TRUE(is_poison(a[r])) << "wrote past the rows";
+            else if (variant == 2) ASSERT_TRUE(std::isnan(a[r]) && !is_poison(a[r])) << "NaN logits: row " << r;
+            else ASSERT_EQ(bits(a[r]), bits(b[r])) << "row " << r;
+          }
+        }
+      }
+    }
+  }
+  HostMatrix w = random_matrix(DType::Q4_K, rows, cols, 4, 734);
+  auto dw = upload(w.data);
+  DevMatrix m = dev_matrix(w, *dw);
+  Dev buf(1 << 16);
+  EXPECT_THROW(matvec_experts_combine_routed(m, buf.as<float>(), 8, 2, buf.as<float>(), cols, buf.as<float>(), s()),
+               Error);  // 4 matrices, 8 experts
+  HostMatrix q8 = random_matrix(DType::Q8_0, rows, cols, 8, 735);
+  auto dq = upload(q8.data);
+  EXPECT_THROW(matvec_experts_combine_routed(dev_matrix(q8, *dq), buf.as<float>(), 8, 2, buf.as<float>(), cols,
+                                             buf.as<float>(), s()),
+               Error);  // Q8_0 takes Q8_0 activations
+}
+
 // The hand-over from the CPU's experts: the kernel waits for the flag to reach the epoch (here set by
 // the host while the kernel is already waiting), then copies exactly the host slots' rows; device
 // slots' rows stay untouched. A second round with a new epoch must wait again (the old flag value
@@ -924,6 +977,80 @@ void GpuOps::residual_norm_case(int k, int n) {
     ASSERT_EQ(bits(xo[i]), bits(x[i])) << "x changed at " << i;
     ASSERT_EQ(bits(no[i]), bits(nr[i])) << "norm only, at " << i;
   }
+}
+
+// A deferred add: residual_norm with y0 gives x = (x + y0) + y, the bits of add(x, y0) then
+// residual_norm(x, y), and the same xn and Q8_K copy.
+TEST_F(GpuOps, ResidualNormWithDeferredAddEqualsAddThenResidualNorm) {
+  for (int n : {2048, 2560, 5120}) {
+    SCOPED_TRACE("n " + std::to_string(n));
+    const int rows = 2;
+    std::vector<float> x = randn(static_cast<size_t>(n) * rows, 311, 2.0f);
+    auto dy0 = upload(randn(x.size(), 312)), dy = upload(randn(x.size(), 313)), dw = upload(randn(n, 314));
+    auto dx_a = upload(x), dx_b = upload(x);
+    const size_t qbytes = row_bytes(DType::Q8_K, n) * rows;
+    Dev xn_a(x.size() * 4), xn_b(x.size() * 4), xq_a(qbytes), xq_b(qbytes);
+    residual_norm(dx_a->as<float>(), dy->as<float>(), nullptr, nullptr, 0, dw->as<float>(), xn_a.as<float>(), n, rows,
+                  1e-6f, s(), xq_a.as(), dy0->as<float>());
+    add(dx_b->as<float>(), dy0->as<float>(), static_cast<int64_t>(x.size()), s());
+    residual_norm(dx_b->as<float>(), dy->as<float>(), nullptr, nullptr, 0, dw->as<float>(), xn_b.as<float>(), n, rows,
+                  1e-6f, s(), xq_b.as());
+    sync();
+    auto xa = dx_a->down<float>(x.size()), xb = dx_b->down<float>(x.size());
+    auto na = xn_a.down<float>(x.size()), nb = xn_b.down<float>(x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      ASSERT_EQ(bits(xa[i]), bits(xb[i])) << "x at " << i;
+      ASSERT_EQ(bits(na[i]), bits(nb[i])) << "xn at " << i;
+    }
+    auto qa = xq_a.down<uint8_t>(qbytes), qb = xq_b.down<uint8_t>(qbytes);
+    for (size_t i = 0; i < qbytes; ++i) ASSERT_EQ(qa[i], qb[i]) << "Q8_K byte " << i;
+  }
+  Dev buf(4096);
+  EXPECT_THROW(residual_norm(buf.as<float>(), nullptr, nullptr, nullptr, 0, nullptr, buf.as<float>(), 256, 1, 1e-6f, s(),
+                             nullptr, buf.as<float>()),
+               Error);  // y0 without y
+}
+
+// The router's launch doing the residual add and the FFN norm: the logits of residual_norm + matvec,
+// the Q8_K bytes residual_norm writes, x untouched; widths from one Q8_K block to the limit, a
+// router with more rows than blocks and one with exactly as many.
+TEST_F(GpuOps, ResidualNormRouterEqualsResidualNormAndMatvec) {
+  for (int n : {256, 2048, 4096}) {
+    for (int n_expert : {128, n / 256}) {
+      SCOPED_TRACE("n " + std::to_string(n) + " experts " + std::to_string(n_expert));
+      std::vector<float> x = randn(n, 321 + n, 2.0f);
+      auto dy = upload(randn(n, 322)), dw = upload(randn(n, 323));
+      HostMatrix r = random_matrix(DType::F32, n_expert, n, 1, 324);
+      auto dr = upload(r.data);
+      DevMatrix m = dev_matrix(r, *dr);
+      auto dx_a = upload(x), dx_b = upload(x);
+      const size_t qbytes = row_bytes(DType::Q8_K, n);
+      Dev la(static_cast<size_t>(n_expert) * 4), lb(static_cast<size_t>(n_expert) * 4), qa(qbytes), qb(qbytes),
+          xn(static_cast<size_t>(n) * 4);
+      residual_norm_router(dx_a->as<float>(), dy->as<float>(), dw->as<float>(), n, 1e-6f, m, la.as<float>(), qa.as(), s());
+      residual_norm(dx_b->as<float>(), dy->as<float>(), nullptr, nullptr, 0, dw->as<float>(), xn.as<float>(), n, 1,
+                    1e-6f, s(), qb.as());
+      matvec(m, xn.as(), 1, lb.as<float>(), n_expert, s());
+      sync();
+      auto a = la.down<float>(n_expert), b = lb.down<float>(n_expert);
+      for (int e = 0; e < n_expert; ++e) ASSERT_EQ(bits(a[e]), bits(b[e])) << "logit " << e;
+      auto ba = qa.down<uint8_t>(qbytes), bb = qb.down<uint8_t>(qbytes);
+      for (size_t i = 0; i < qbytes; ++i) ASSERT_EQ(ba[i], bb[i]) << "Q8_K byte " << i;
+      auto xa = dx_a->down<float>(n);
+      for (int i = 0; i < n; ++i) ASSERT_EQ(bits(xa[i]), bits(x[i])) << "x changed at " << i;
+    }
+  }
+  HostMatrix q = random_matrix(DType::Q4_K, 128, 2048, 1, 325);
+  auto dq = upload(q.data);
+  Dev buf(1 << 16);
+  EXPECT_THROW(residual_norm_router(buf.as<float>(), buf.as<float>(), buf.as<float>(), 2048, 1e-6f, dev_matrix(q, *dq),
+                                    buf.as<float>(), buf.as(), s()),
+               Error);  // not an F32 router
+  HostMatrix wide = random_matrix(DType::F32, 8, 4352, 1, 326);
+  auto dwide = upload(wide.data);
+  EXPECT_THROW(residual_norm_router(buf.as<float>(), buf.as<float>(), buf.as<float>(), 4352, 1e-6f,
+                                    dev_matrix(wide, *dwide), buf.as<float>(), buf.as(), s()),
+               Error);  // wider than 4096
 }
 
 // The fused attention prologue against rms_norm + rope_neox + kv_store on copies: the same bits in q
