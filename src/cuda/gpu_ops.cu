@@ -707,6 +707,20 @@ __device__ __forceinline__ float rms_scale_of(double sum, int n, float eps) {
   return __fdiv_rn(1.0f, __fsqrt_rn(ms));
 }
 
+__device__ __forceinline__ float block_rms_scale(double s, int n, float eps, double* part) {
+  const int tid = threadIdx.x;
+  s = warp_sum(s);
+  if ((tid & 31) == 0) part[tid >> 5] = s;
+  __syncthreads();
+  if (tid < 32) {
+    double t = tid < static_cast<int>(blockDim.x >> 5) ? part[tid] : 0.0;
+    t = warp_sum(t);
+    if (tid == 0) part[0] = t;
+  }
+  __syncthreads();
+  return rms_scale_of(part[0], n, eps);
+}
+
 // The FFN side of an all-GPU decode layer, in the router's launch: every CTA (one per router row, 128
 // threads) forms xm = x + y (not stored: the FFN block's residual_norm adds y again as its y0), the
 // norm xn = rms_norm(xm) * w in shared memory, and its row's logit, the F32 product of
@@ -773,6 +787,64 @@ __global__ void __launch_bounds__(kMvWarps * 32) residual_norm_router_kernel(
   }
 }
 
+// The attention block's input side in one launch (one token, experimental: FITMOE_EXP=fold_qkv): the
+// previous FFN block's end x' = (x + y0) + y, written to x_out (CTA b < n / 256 writes block b; x_out
+// is not x, which the other CTAs still read), the norm xn = rms_norm(x') * w with residual_norm's
+// 256-thread sums (the same bits), its Q8_K in shared memory, then the rows of up to four matrices as
+// matvec_multi computes them. 8 warps of 4 rows per CTA, so that few CTAs repeat the norm.
+constexpr int kNormMvWarps = 8, kNormMvRows = 4;
+template <DType T, DType T2>
+__global__ void __launch_bounds__(kNormMvWarps * 32) mmvq_norm_kernel(const MvArgs a, const NormIn in) {
+  __shared__ __align__(16) float xn_sh[kFoldMaxPerThread * 256];
+  __shared__ __align__(16) uint8_t q_sh[kFoldMaxPerThread * 292];
+  __shared__ double part[32];
+  int sg = 0;
+  unsigned bx = blockIdx.x;
+  while (sg + 1 < a.n_seg && bx >= a.seg_cta[sg + 1]) ++sg;
+  bx -= a.seg_cta[sg];
+  const int64_t rows = a.seg_rows[sg];
+  const size_t row_bytes = a.seg_row_bytes[sg];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nb = in.n / 256;
+  const int64_t row0 = (static_cast<int64_t>(bx) * kNormMvWarps + warp) * kNormMvRows;
+  if (row0 < rows)
+    prefetch_l2(a.seg_w[sg] + row0 * row_bytes, (rows - row0 < kNormMvRows ? rows - row0 : kNormMvRows) * row_bytes,
+                lane, 32);
+  float wv[kFoldMaxPerThread];
+#pragma unroll
+  for (int u = 0; u < kFoldMaxPerThread; ++u) wv[u] = u < nb ? in.w[tid + 256 * u] : 0.0f;
+  pdl_enter();
+  float v[kFoldMaxPerThread];
+#pragma unroll
+  for (int u = 0; u < kFoldMaxPerThread; ++u) {
+    const int i = tid + 256 * u;
+    if (u < nb) v[u] = __fadd_rn(in.y0 ? __fadd_rn(in.x[i], in.y0[i]) : in.x[i], in.y[i]);
+  }
+  double sq = 0.0;
+#pragma unroll
+  for (int u = 0; u < kFoldMaxPerThread; ++u)
+    if (u < nb) sq += static_cast<double>(__fmul_rn(v[u], v[u]));
+#pragma unroll
+  for (int u = 0; u < kFoldMaxPerThread; ++u)
+    if (u == static_cast<int>(blockIdx.x) && u < nb) in.x_out[256 * u + tid] = v[u];
+  const float scale = block_rms_scale(sq, in.n, in.eps, part);
+#pragma unroll
+  for (int u = 0; u < kFoldMaxPerThread; ++u)
+    if (u < nb) xn_sh[tid + 256 * u] = __fmul_rn(__fmul_rn(v[u], scale), wv[u]);
+  __syncthreads();
+  for (int b = warp; b < nb; b += kNormMvWarps) quantize_q8k_block(xn_sh + 256 * b, q_sh + 292 * b, lane);
+  __syncthreads();
+  if (row0 >= rows) return;
+  if constexpr (T2 != T) {
+    if (a.seg_alt[sg]) {
+      mmvq_rows<T2, 1, kNormMvRows, false>(a, a.seg_w[sg], nullptr, row_bytes, q_sh, a.seg_y[sg], rows, a.seg_ld[sg],
+                                           row0, lane);
+      return;
+    }
+  }
+  mmvq_rows<T, 1, kNormMvRows, false>(a, a.seg_w[sg], nullptr, row_bytes, q_sh, a.seg_y[sg], rows, a.seg_ld[sg], row0,
+                                      lane);
+}
+
 // Routed experts with their combination fused (decode, every chosen expert on the device): for token
 // t = blockIdx.y and each row, the k slots' products v_j (each exactly as mmvq_kernel computes it,
 // activation row = slot) are combined as moe_combine does, y[t][r] = sum_j wts[t*k+j] * v_j in j order.
@@ -815,54 +887,6 @@ __global__ void __launch_bounds__(MAXK * 32) mmvq_combine_kernel(const MvArgs a,
   float o = __fmul_rn(v[0][r], wt[0]);
   for (int i = 1; i < k; ++i) o = __fadd_rn(o, __fmul_rn(v[i][r], wt[i]));
   a.y[t * a.ld_y + row0 + r] = o;
-}
-
-// Down + combine for one token whose experts routed for themselves (mmvq_glu_routed_kernel) and whose
-// SwiGLU output g is still float: no quantize launch between the two. Before its wait the kernel makes
-// the routing's choices and weights itself from the router's logits (written two kernels back, so
-// final; the same function and inputs as the gate+up kernel's, so the same bits) and hints the chosen
-// rows into L2; after it, warp j turns slot j's row of g into Q8_K in shared memory (quantize_q8k_block,
-// the bits quant_q8k_kernel writes) and computes its products from there. Every expert on the device in
-// id order (no slot map); a choice out of range gives NaN rows.
-template <DType T>
-__global__ void __launch_bounds__(8 * 32) mmvq_combine_routed_kernel(const MvArgs a, const float* __restrict__ g,
-                                                                     int64_t ld_g) {
-  extern __shared__ __align__(16) uint8_t gq[];  // [k][act_stride]: each slot's g in Q8_K
-  __shared__ float v[8][kCombineRows];
-  __shared__ int e_sh[8];
-  __shared__ float w_sh[8];
-  const int j = threadIdx.x >> 5, lane = threadIdx.x & 31, k = a.route_k;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kCombineRows;
-  if (j == 0) {
-    float my_w;
-    int my_i;
-    route_choose(a.route_logits, a.route_n, k, my_w, my_i);
-    const float w = renormalised(my_w, k);
-    if (lane < k) e_sh[lane] = my_i, w_sh[lane] = w;
-  }
-  __syncthreads();
-  const int e = j < k ? e_sh[j] : -1;
-  const bool have = e >= 0 && e < a.n_mats;
-  const uint8_t* wm = a.w + static_cast<size_t>(have ? e : 0) * a.mat_bytes + row0 * a.row_bytes;
-  if (have) prefetch_l2(wm, (a.rows - row0 < kCombineRows ? a.rows - row0 : kCombineRows) * a.row_bytes, lane, 32);
-  pdl_enter();
-  if (j < k) {
-    uint8_t* q = gq + static_cast<size_t>(j) * a.act_stride;
-    const float* gr = g + static_cast<int64_t>(j) * ld_g;
-    for (int64_t b = 0; b < a.cols / 256; ++b) quantize_q8k_block(gr + 256 * b, q + 292 * b, lane);
-    __syncwarp();
-    if (!have) {
-      if (lane < kCombineRows) v[j][lane] = __int_as_float(0x7fc00000);
-    } else {
-      mmvq_rows<T, 1, kCombineRows, false>(a, wm, nullptr, a.row_bytes, q, v[j], a.rows - row0, 0, 0, lane);
-    }
-  }
-  __syncthreads();
-  const int r = threadIdx.x;
-  if (r >= kCombineRows || row0 + r >= a.rows) return;
-  float o = __fmul_rn(v[0][r], w_sh[0]);
-  for (int i = 1; i < k; ++i) o = __fadd_rn(o, __fmul_rn(v[i][r], w_sh[i]));
-  a.y[row0 + r] = o;
 }
 
 template <DType T, int NT, DType T2 = T>
@@ -1184,20 +1208,6 @@ int64_t tile_rows(const DevMatrix& w) {
 // RMSNorm's scale 1 / sqrt(mean(x^2) + eps) from each thread's partial sum of squares (thread tid
 // summed elements tid, tid + blockDim.x, ...). Every kernel that norms a row goes through this, so
 // fused and unfused norms give the same bits. Ends with a barrier; `part` is 32 doubles of shared memory.
-__device__ __forceinline__ float block_rms_scale(double s, int n, float eps, double* part) {
-  const int tid = threadIdx.x;
-  s = warp_sum(s);
-  if ((tid & 31) == 0) part[tid >> 5] = s;
-  __syncthreads();
-  if (tid < 32) {
-    double t = tid < static_cast<int>(blockDim.x >> 5) ? part[tid] : 0.0;
-    t = warp_sum(t);
-    if (tid == 0) part[0] = t;
-  }
-  __syncthreads();
-  return rms_scale_of(part[0], n, eps);
-}
-
 constexpr int kNormThreads = 256;  // every row norm runs with this many threads (same partial sums)
 
 // Row norms read their elements U strides at a time, so that the loads are in flight together rather
@@ -1232,9 +1242,7 @@ __global__ void rms_norm_kernel(const float* x, const float* __restrict__ w, flo
 // Q8_K when xq is given (the next mat-vec's input, as quant_q8k_kernel makes it). One CTA of
 // kNormThreads per row. With y0 (and y, no ey): x = (x + y0) + y, an add a kernel before deferred here
 // (residual_norm_router leaves x as it is).
-// Stage (experimental): a row's loads all in flight at once, and the Q8_K made from a copy of xn in
-// shared memory rather than read back from global memory.
-template <int MAXK, bool Stage>
+template <int MAXK>
 __global__ void residual_norm_kernel(float* x, const float* __restrict__ y0, const float* __restrict__ y,
                                      const float* __restrict__ ey, const float* __restrict__ wts, int k,
                                      const float* __restrict__ w, float* __restrict__ xn, uint8_t* __restrict__ xq,
@@ -1242,12 +1250,11 @@ __global__ void residual_norm_kernel(float* x, const float* __restrict__ y0, con
   __shared__ double part[32];
   __shared__ const float* src[MAXK > 0 ? MAXK : 1];  // the experts' output rows of this token
   __shared__ float wt[MAXK > 0 ? MAXK : 1];
-  constexpr int kKeep = 16;
-  __shared__ __align__(16) float stage[Stage ? kKeep * kNormThreads : 1];
   const int r = blockIdx.x, tid = threadIdx.x, nth = blockDim.x;
   float* xr = x + static_cast<int64_t>(r) * n;
   // Rows of up to kKeep * blockDim.x values stay in registers between the sum and the scaling, and
   // the norm weights are fetched at the start, so that the loads overlap the reduction's latency.
+  constexpr int kKeep = 16;
   const bool keep = n <= kKeep * nth;
   float wv[kKeep], xs[kKeep];
   if (keep && w && xn) {
@@ -1263,7 +1270,7 @@ __global__ void residual_norm_kernel(float* x, const float* __restrict__ y0, con
     }
     __syncthreads();
   }
-  constexpr int U = MAXK > 8 ? 1 : (Stage && MAXK == 0) ? 2 * kNormUnroll : kNormUnroll;
+  constexpr int U = MAXK > 8 ? 1 : kNormUnroll;
   double s = 0;
   for (int i0 = tid, c = 0; i0 < n; i0 += U * nth, c += U) {
     float o[U], o0[U], xv[U];
@@ -1309,10 +1316,8 @@ __global__ void residual_norm_kernel(float* x, const float* __restrict__ y0, con
     for (int u = 0; u < kKeep; ++u) {
       const int i = tid + u * nth;
       if (i < n) {
-        float v = __fmul_rn(xs[u], scale);
-        v = w ? __fmul_rn(v, wv[u]) : v;
-        yr[i] = v;
-        if constexpr (Stage) stage[i] = v;
+        const float v = __fmul_rn(xs[u], scale);
+        yr[i] = w ? __fmul_rn(v, wv[u]) : v;
       }
     }
   } else {
@@ -1323,10 +1328,9 @@ __global__ void residual_norm_kernel(float* x, const float* __restrict__ y0, con
   }
   if (!xq) return;
   __syncthreads();  // the row of xn, written by the whole CTA, is visible to all its threads
-  const float* qsrc = Stage && keep ? stage : yr;
   const size_t stride = static_cast<size_t>(n / 256) * 292;
   for (int b = tid >> 5; b < n / 256; b += nth >> 5)
-    quantize_q8k_block(qsrc + 256 * b, xq + r * stride + static_cast<size_t>(b) * 292, tid & 31);
+    quantize_q8k_block(yr + 256 * b, xq + r * stride + static_cast<size_t>(b) * 292, tid & 31);
 }
 
 __global__ void add_kernel(float* x, const float* __restrict__ y, int64_t n) {
@@ -2809,24 +2813,6 @@ void rms_norm(const float* x, const float* w, float* y, int n, int rows, float e
   launched("rms_norm");
 }
 
-// FITMOE_EXP containing "norm_stage": residual_norm_kernel's Stage form (an experiment).
-bool norm_stage() {
-  static const bool on = [] {
-    std::string v = std::getenv("FITMOE_EXP") ? std::getenv("FITMOE_EXP") : "";
-    std::replace(v.begin(), v.end(), ',', ' ');
-    return (" " + v + " ").find(" norm_stage ") != std::string::npos;
-  }();
-  return on;
-}
-
-template <bool Stage>
-void launch_residual_norm(float* x, const float* y0, const float* y, const float* ey, const float* wts, int k,
-                          const float* w, float* xn, uint8_t* q, int n, int rows, float eps, cudaStream_t st) {
-  if (!ey) launch(residual_norm_kernel<0, Stage>, rows, kNormThreads, 0, st, x, y0, y, ey, wts, k, w, xn, q, n, eps);
-  else if (k <= 8) launch(residual_norm_kernel<8, Stage>, rows, kNormThreads, 0, st, x, y0, y, ey, wts, k, w, xn, q, n, eps);
-  else launch(residual_norm_kernel<32, Stage>, rows, kNormThreads, 0, st, x, y0, y, ey, wts, k, w, xn, q, n, eps);
-}
-
 void residual_norm(float* x, const float* y, const float* ey, const float* wts, int k, const float* w, float* xn,
                    int n, int rows, float eps, Stream s, void* xq, const float* y0) {
   if (rows <= 0 || n <= 0) return;
@@ -2839,8 +2825,9 @@ void residual_norm(float* x, const float* y, const float* ey, const float* wts, 
     fail("residual_norm: the Q8_K copy needs xn, rows a multiple of 256 values and 4-byte alignment");
   const cudaStream_t st = cs(s);
   uint8_t* q = static_cast<uint8_t*>(xq);
-  if (norm_stage()) launch_residual_norm<true>(x, y0, y, ey, wts, k, w, xn, q, n, rows, eps, st);
-  else launch_residual_norm<false>(x, y0, y, ey, wts, k, w, xn, q, n, rows, eps, st);
+  if (!ey) launch(residual_norm_kernel<0>, rows, kNormThreads, 0, st, x, y0, y, ey, wts, k, w, xn, q, n, eps);
+  else if (k <= 8) launch(residual_norm_kernel<8>, rows, kNormThreads, 0, st, x, y0, y, ey, wts, k, w, xn, q, n, eps);
+  else launch(residual_norm_kernel<32>, rows, kNormThreads, 0, st, x, y0, y, ey, wts, k, w, xn, q, n, eps);
   launched("residual_norm");
 }
 
@@ -2991,6 +2978,56 @@ void matvec_experts_glu(const DevMatrix& gate, const DevMatrix& up, const int32_
   launch_matvec(gate, acts, 1, y, ld_y, ids, slot_of, n_slots, act_row, cs(s), "matvec_experts_glu", &up);
 }
 
+void matvec_multi_norm(const DevMatrix* const* ws, float* const* ys, const int n, const NormIn& in, Stream s) {
+  if (n <= 0 || n > kMaxMatvecs) fail("matvec_multi_norm: 1 to 4 matrices");
+  if (!in.x || !in.y || !in.w || !in.x_out || in.x_out == in.x)
+    fail("matvec_multi_norm: x, y, w and an x_out that is not x are required");
+  if (in.n <= 0 || in.n % 256 != 0 || in.n > kFoldMaxPerThread * 256)
+    fail("matvec_multi_norm: rows of 256 to " + std::to_string(kFoldMaxPerThread * 256) + " values in whole Q8_K blocks");
+  std::vector<DType> types;
+  for (int i = 0; i < n; ++i) {
+    check_weight(*ws[i], "matvec_multi_norm");
+    if (is_float_type(ws[i]->type) || dtype_info(ws[i]->type).act_type != DType::Q8_K || ws[i]->cols != in.n ||
+        ws[i]->n_mats != 1)
+      fail("matvec_multi_norm: single matrices of a type taking Q8_K activations, of the rows' width");
+    if (std::find(types.begin(), types.end(), ws[i]->type) == types.end()) types.push_back(ws[i]->type);
+  }
+  if (types.size() > 2) fail("matvec_multi_norm: at most two weight types");
+  DType t1 = types.front(), t2 = types.back();
+  if (t1 > t2) std::swap(t1, t2);
+  MvArgs a = mv_args(*ws[0], ys[0], 1, ys[0], ws[0]->rows, "matvec_multi_norm");  // (acts: in shared memory)
+  a.n_seg = n;
+  a.seg_cta[0] = 0;
+  for (int i = 0; i < n; ++i) {
+    a.seg_w[i] = ws[i]->data;
+    a.seg_y[i] = ys[i];
+    a.seg_rows[i] = ws[i]->rows;
+    a.seg_ld[i] = ws[i]->rows;
+    a.seg_row_bytes[i] = ws[i]->row_bytes;
+    a.seg_alt[i] = ws[i]->type != t1;
+    a.seg_cta[i + 1] = a.seg_cta[i] + blocks_for(ws[i]->rows, kNormMvWarps * kNormMvRows);
+  }
+  const unsigned ctas = a.seg_cta[n];
+  const cudaStream_t st = cs(s);
+  auto go = [&](auto kernel) { launch(kernel, ctas, kNormMvWarps * 32, 0, st, a, in); };
+  if (t1 == t2) {
+    with_quant_type(t1, "matvec_multi_norm", [&](auto T) {
+      if constexpr (WT<decltype(T)::value>::kFam == kFamQ8_K) go(mmvq_norm_kernel<decltype(T)::value, decltype(T)::value>);
+    });
+  } else if (t1 == DType::Q4_K && t2 == DType::Q6_K) {
+    go(mmvq_norm_kernel<DType::Q4_K, DType::Q6_K>);
+  } else if (t1 == DType::Q5_K && t2 == DType::Q6_K) {
+    go(mmvq_norm_kernel<DType::Q5_K, DType::Q6_K>);
+  } else if (t1 == DType::Q3_K && t2 == DType::Q4_K) {
+    go(mmvq_norm_kernel<DType::Q3_K, DType::Q4_K>);
+  } else if (t1 == DType::Q3_K && t2 == DType::Q5_K) {
+    go(mmvq_norm_kernel<DType::Q3_K, DType::Q5_K>);
+  } else {
+    fail(std::string("matvec_multi_norm: no kernel for the pair ") + tname(t1) + " / " + tname(t2));
+  }
+  launched("matvec_multi_norm");
+}
+
 void matvec_experts_glu_routed(const DevMatrix& gate, const DevMatrix& up, const float* logits, int n_expert, int k,
                                int32_t* ids, float* weights, const int32_t* slot_of, const void* acts, float* y,
                                int64_t ld_y, Stream s) {
@@ -3039,30 +3076,6 @@ void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_
     launch(mmvq_combine_kernel<decltype(T)::value, 8>, grid, 8 * 32, 0, st, a, wts, k);
   });
   launched("matvec_experts_combine");
-}
-
-void matvec_experts_combine_routed(const DevMatrix& w, const float* logits, int n_expert, int k, const float* g,
-                                   int64_t ld_g, float* y, Stream s) {
-  if (n_expert <= 0 || n_expert > kRouteInExpertsMax || k <= 0 || k > 8 || k > n_expert)
-    fail("matvec_experts_combine_routed: 1 to 8 of at most " + std::to_string(kRouteInExpertsMax) + " experts");
-  if (!logits || !g || !y) fail("matvec_experts_combine_routed: logits, g and y are required");
-  if (is_float_type(w.type) || dtype_info(w.type).act_type != DType::Q8_K)
-    fail("matvec_experts_combine_routed: experts of a quantized type that takes Q8_K activations only");
-  if (w.n_mats < n_expert) fail("matvec_experts_combine_routed: every expert's matrix must be on the device");
-  if (ld_g < w.cols || !aligned(g, 4)) fail("matvec_experts_combine_routed: bad g rows");
-  // (A dummy Q8_K pointer for the checks: the kernel's activations are its own, in shared memory.)
-  MvArgs a = mv_args(w, g, 1, y, w.rows, "matvec_experts_combine_routed");
-  a.route_logits = logits;
-  a.route_n = n_expert;
-  a.route_k = k;
-  const size_t smem = static_cast<size_t>(k) * a.act_stride;
-  if (smem > 48 * 1024) fail("matvec_experts_combine_routed: expert rows too long for shared memory");
-  const dim3 grid(blocks_for(w.rows, kCombineRows), 1);
-  const cudaStream_t st = cs(s);
-  with_quant_type(w.type, "matvec_experts_combine_routed", [&](auto T) {
-    launch(mmvq_combine_routed_kernel<decltype(T)::value>, grid, 8 * 32, smem, st, a, g, ld_g);
-  });
-  launched("matvec_experts_combine_routed");
 }
 
 void handover_combine(const unsigned* host_flag, const unsigned* epoch, const float* host_rows, const float* ey,

@@ -83,6 +83,20 @@ void matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_
 void matvec_multi(const DevMatrix* const* ws, float* const* ys, const int64_t* ld_ys, int n, const void* acts,
                   int n_tokens, Stream s);
 
+// One token's attention input side in one launch (experimental): x_out = (x + y0) + y (y0 may be null),
+// xn = rms_norm(x_out) * w, the bits of residual_norm, converted to Q8_K inside the kernel, then
+// ys[i] = ws[i] xn (rows ws[i]->rows apart) as matvec_multi computes them. x_out must not be x.
+struct NormIn {
+  const float* x;
+  const float* y0;
+  const float* y;
+  const float* w;
+  float* x_out;
+  int n;
+  float eps;
+};
+void matvec_multi_norm(const DevMatrix* const* ws, float* const* ys, int n, const NormIn& in, Stream s);
+
 // Routed experts, decode style: for slot j < n_slots, with m = slot_of ? slot_of[ids[j]] : ids[j],
 // matrix m of w times activation row act_row[j] (index into acts, rows act_bytes(act, cols, 1) apart)
 // -> y[j * ld_y + r]. m < 0 (an expert that lives in host memory) leaves row j of y untouched. All
@@ -109,13 +123,6 @@ constexpr int kRouteInExpertsMax = 256;
 void matvec_experts_glu_routed(const DevMatrix& gate, const DevMatrix& up, const float* logits, int n_expert, int k,
                                int32_t* ids, float* weights, const int32_t* slot_of, const void* acts, float* y,
                                int64_t ld_y, Stream s);
-// Down + combine after matvec_experts_glu_routed (one token, every expert on the device in id order):
-// makes the same choices and weights from the same logits itself, converts slot j's float row j of g
-// (ld_g apart) to Q8_K in shared memory, and writes y[r] = the combination, the very bits of
-// quantize_acts(Q8_K) + matvec_experts_combine with route_topk's choices. One launch fewer per layer.
-// Experts whose activations are Q8_K (the k-quants), k <= 8.
-void matvec_experts_combine_routed(const DevMatrix& w, const float* logits, int n_expert, int k, const float* g,
-                                   int64_t ld_g, float* y, Stream s);
 // dst[dst_rows ? dst_rows[i] : i] = src[src_rows ? src_rows[i] : i] for i < n rows of `width` floats.
 // Hybrid decode, the GPU side of the hand-over from the CPU's experts, with their combination: waits
 // until *host_flag (pinned host memory, device view) equals *epoch (device), then for each token

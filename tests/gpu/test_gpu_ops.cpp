@@ -401,6 +401,82 @@ TEST_F(GpuOps, MatvecMultiEqualsSeparateMatvecs) {
   EXPECT_THROW(matvec_multi(mixed, ys2, lds2, 2, a8->bytes(), 1, s()), Error);
 }
 
+// The attention's input side in one launch: the q, k, v outputs of add + residual_norm (Q8_K) +
+// matvec_multi bit for bit, the new residual in x_out, x untouched, nothing written past each output's
+// rows; one type and the mixed pairs, widths from one Q8_K block to the limit, with and without y0.
+TEST_F(GpuOps, MatvecMultiNormEqualsResidualNormAndMatvecMulti) {
+  const int64_t rows[3] = {96, 20, 33};
+  const std::vector<std::array<DType, 3>> combos = {{DType::Q4_K, DType::Q4_K, DType::Q6_K},
+                                                    {DType::Q4_K, DType::Q4_K, DType::Q4_K},
+                                                    {DType::Q6_K, DType::Q5_K, DType::Q6_K},
+                                                    {DType::Q3_K, DType::Q4_K, DType::Q4_K},
+                                                    {DType::Q2_K, DType::Q2_K, DType::Q2_K}};
+  for (const auto& types : combos) {
+    for (int n : {256, 2048, 4096}) {
+      for (bool with_y0 : {true, false}) {
+        SCOPED_TRACE(std::string(dtype_name(types[0])) + "/" + dtype_name(types[1]) + "/" + dtype_name(types[2]) +
+                     " n " + std::to_string(n) + (with_y0 ? " y0" : ""));
+        const std::vector<float> x = randn(n, 331 + n, 2.0f);
+        auto dy0 = upload(randn(n, 332)), dy = upload(randn(n, 333)), dw = upload(randn(n, 334));
+        std::vector<HostMatrix> hm;
+        std::vector<std::unique_ptr<Dev>> dm;
+        std::vector<DevMatrix> m;
+        for (int i = 0; i < 3; ++i) hm.push_back(random_matrix(types[i], rows[i], n, 1, 335 + i));
+        for (int i = 0; i < 3; ++i) dm.push_back(upload(hm[i].data));
+        for (int i = 0; i < 3; ++i) m.push_back(dev_matrix(hm[i], *dm[i]));
+        std::vector<std::unique_ptr<Dev>> ya, yb;
+        float* pa[3];
+        float* pb[3];
+        int64_t lds[3];
+        for (int i = 0; i < 3; ++i) {
+          ya.push_back(std::make_unique<Dev>(static_cast<size_t>(rows[i] + 4) * 4));
+          yb.push_back(std::make_unique<Dev>(static_cast<size_t>(rows[i]) * 4));
+          pa[i] = ya[i]->as<float>(), pb[i] = yb[i]->as<float>(), lds[i] = rows[i];
+        }
+        auto dx = upload(x), dx_ref = upload(x);
+        Dev x_out(static_cast<size_t>(n) * 4), xn(static_cast<size_t>(n) * 4), xq(row_bytes(DType::Q8_K, n));
+        const DevMatrix* ws[3] = {&m[0], &m[1], &m[2]};
+        const NormIn in{dx->as<float>(), with_y0 ? dy0->as<float>() : nullptr, dy->as<float>(), dw->as<float>(),
+                        x_out.as<float>(), n, 1e-6f};
+        matvec_multi_norm(ws, pa, 3, in, s());
+        if (with_y0) add(dx_ref->as<float>(), dy0->as<float>(), n, s());
+        residual_norm(dx_ref->as<float>(), dy->as<float>(), nullptr, nullptr, 0, dw->as<float>(), xn.as<float>(), n, 1,
+                      1e-6f, s(), xq.as());
+        matvec_multi(ws, pb, lds, 3, xq.as(), 1, s());
+        sync();
+        for (int i = 0; i < 3; ++i) {
+          auto a = ya[i]->down<float>(rows[i] + 4), b = yb[i]->down<float>(rows[i]);
+          for (int64_t r = 0; r < rows[i] + 4; ++r) {
+            if (r >= rows[i]) ASSERT_TRUE(is_poison(a[r])) << "matrix " << i << " wrote past its rows";
+            else ASSERT_EQ(bits(a[r]), bits(b[r])) << "matrix " << i << " row " << r;
+          }
+        }
+        auto xo = x_out.down<float>(n), xr = dx_ref->down<float>(n), xs = dx->down<float>(n);
+        for (int i = 0; i < n; ++i) {
+          ASSERT_EQ(bits(xo[i]), bits(xr[i])) << "x_out at " << i;
+          ASSERT_EQ(bits(xs[i]), bits(x[i])) << "x changed at " << i;
+        }
+      }
+    }
+  }
+  HostMatrix q = random_matrix(DType::Q4_K, 32, 256, 1, 339);
+  auto dq = upload(q.data);
+  DevMatrix mq = dev_matrix(q, *dq);
+  const DevMatrix* ws[1] = {&mq};
+  Dev buf(1 << 16);
+  float* ys[1] = {buf.as<float>()};
+  EXPECT_THROW(matvec_multi_norm(ws, ys, 1, NormIn{buf.as<float>(), nullptr, buf.as<float>(), buf.as<float>(),
+                                                   buf.as<float>(), 256, 1e-6f}, s()),
+               Error);  // x_out is x
+  HostMatrix q8 = random_matrix(DType::Q8_0, 32, 256, 1, 340);
+  auto d8 = upload(q8.data);
+  DevMatrix m8 = dev_matrix(q8, *d8);
+  const DevMatrix* w8[1] = {&m8};
+  EXPECT_THROW(matvec_multi_norm(w8, ys, 1, NormIn{buf.as<float>(), nullptr, buf.as<float>(), buf.as<float>(),
+                                                   buf.as<float>() + 512, 256, 1e-6f}, s()),
+               Error);  // Q8_0 takes Q8_0 activations
+}
+
 // The router's product with the routing fused: the same logits, choices and weights as matvec +
 // route_topk, twice in a row (the completion counter must come back to 0), and a refusal (false)
 // where it does not apply.
@@ -594,59 +670,6 @@ TEST_F(GpuOps, MatvecExpertsCombineEqualsExpertsAndCombine) {
       }
     }
   }
-}
-
-// Down + combine that routes again from the logits and quantizes the float SwiGLU rows itself: the
-// bits of route_topk + quantize_acts(Q8_K) + matvec_experts_combine, for expert counts up to the limit,
-// ties, k below 8, rows of g with a gap (ld_g), and NaN logits (no choice: every row NaN, nothing read
-// out of range).
-TEST_F(GpuOps, MatvecExpertsCombineRoutedEqualsTopkQuantizeAndCombine) {
-  const int64_t cols = 768, rows = 42;  // (42: the last CTA has rows past the end)
-  for (DType t : {DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
-    for (int n_expert : {60, 128, 256}) {
-      HostMatrix w = random_matrix(t, rows, cols, n_expert, 731 + n_expert);
-      auto dw = upload(w.data);
-      DevMatrix m = dev_matrix(w, *dw);
-      for (int k : {8, 3}) {
-        for (int variant = 0; variant < 3; ++variant) {  // plain, ties, NaN logits
-          SCOPED_TRACE(std::string(dtype_name(t)) + " experts " + std::to_string(n_expert) + " k " + std::to_string(k) +
-                       " variant " + std::to_string(variant));
-          std::vector<float> logits = randn(n_expert, 732 + n_expert + k + variant, 2.0f);
-          if (variant == 1)
-            for (int e = 3; e < n_expert; e += 5) logits[e] = 4.0f;
-          if (variant == 2) logits[n_expert / 3] = std::numeric_limits<float>::quiet_NaN();
-          const int64_t ld_g = cols + 32;
-          auto dl = upload(logits);
-          auto dg = upload(randn(static_cast<size_t>(ld_g) * k, 733 + k, 0.7f));
-          Dev y(static_cast<size_t>(rows + 3) * 4), ref(static_cast<size_t>(rows) * 4), ids(k * 4), wts(k * 4),
-              acts(act_bytes(DType::Q8_K, cols, k));
-          matvec_experts_combine_routed(m, dl->as<float>(), n_expert, k, dg->as<float>(), ld_g, y.as<float>(), s());
-          route_topk(dl->as<float>(), 1, n_expert, k, ids.as<int32_t>(), wts.as<float>(), s());
-          quantize_acts(DType::Q8_K, dg->as<float>(), cols, k, ld_g, acts.as(), s());
-          matvec_experts_combine(m, ids.as<int32_t>(), nullptr, 1, k, acts.as(), wts.as<float>(), ref.as<float>(), rows,
-                                 s());
-          sync();
-          auto a = y.down<float>(static_cast<size_t>(rows + 3)), b = ref.down<float>(static_cast<size_t>(rows));
-          for (int64_t r = 0; r < rows + 3; ++r) {
-            if (r >= rows) ASSERT_TRUE(is_poison(a[r])) << "wrote past the rows";
-            else if (variant == 2) ASSERT_TRUE(std::isnan(a[r]) && !is_poison(a[r])) << "NaN logits: row " << r;
-            else ASSERT_EQ(bits(a[r]), bits(b[r])) << "row " << r;
-          }
-        }
-      }
-    }
-  }
-  HostMatrix w = random_matrix(DType::Q4_K, rows, cols, 4, 734);
-  auto dw = upload(w.data);
-  DevMatrix m = dev_matrix(w, *dw);
-  Dev buf(1 << 16);
-  EXPECT_THROW(matvec_experts_combine_routed(m, buf.as<float>(), 8, 2, buf.as<float>(), cols, buf.as<float>(), s()),
-               Error);  // 4 matrices, 8 experts
-  HostMatrix q8 = random_matrix(DType::Q8_0, rows, cols, 8, 735);
-  auto dq = upload(q8.data);
-  EXPECT_THROW(matvec_experts_combine_routed(dev_matrix(q8, *dq), buf.as<float>(), 8, 2, buf.as<float>(), cols,
-                                             buf.as<float>(), s()),
-               Error);  // Q8_0 takes Q8_0 activations
 }
 
 // The hand-over from the CPU's experts: the kernel waits for the flag to reach the epoch (here set by
