@@ -195,6 +195,7 @@ fi
 if want ncu-source; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
   FITMOE_NO_GRAPHS=1 ncu --clock-control none --cache-control none --kernel-name "regex:${NCU_KERNEL:-attn_dec_group}" \
+    --warp-sampling-interval "${NCU_SAMPLING:-0}" \
     --launch-skip "${NCU_SKIP:-2000}" --launch-count 1 --section SourceCounters --section WarpStateStats \
     --import-source no --page source --print-source sass --csv \
     "$BIN/fitmoe" bench -m "$MODEL" -p 0 -n 64 -r 1 > "$OUT/ncu-source.csv" 2> "$OUT/ncu-source.err"
