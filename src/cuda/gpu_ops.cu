@@ -787,64 +787,6 @@ __global__ void __launch_bounds__(kMvWarps * 32) residual_norm_router_kernel(
   }
 }
 
-// The attention block's input side in one launch (one token, experimental: FITMOE_EXP=fold_qkv): the
-// previous FFN block's end x' = (x + y0) + y, written to x_out (CTA b < n / 256 writes block b; x_out
-// is not x, which the other CTAs still read), the norm xn = rms_norm(x') * w with residual_norm's
-// 256-thread sums (the same bits), its Q8_K in shared memory, then the rows of up to four matrices as
-// matvec_multi computes them. 8 warps of 4 rows per CTA, so that few CTAs repeat the norm.
-constexpr int kNormMvWarps = 8, kNormMvRows = 4;
-template <DType T, DType T2>
-__global__ void __launch_bounds__(kNormMvWarps * 32) mmvq_norm_kernel(const MvArgs a, const NormIn in) {
-  __shared__ __align__(16) float xn_sh[kFoldMaxPerThread * 256];
-  __shared__ __align__(16) uint8_t q_sh[kFoldMaxPerThread * 292];
-  __shared__ double part[32];
-  int sg = 0;
-  unsigned bx = blockIdx.x;
-  while (sg + 1 < a.n_seg && bx >= a.seg_cta[sg + 1]) ++sg;
-  bx -= a.seg_cta[sg];
-  const int64_t rows = a.seg_rows[sg];
-  const size_t row_bytes = a.seg_row_bytes[sg];
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nb = in.n / 256;
-  const int64_t row0 = (static_cast<int64_t>(bx) * kNormMvWarps + warp) * kNormMvRows;
-  if (row0 < rows)
-    prefetch_l2(a.seg_w[sg] + row0 * row_bytes, (rows - row0 < kNormMvRows ? rows - row0 : kNormMvRows) * row_bytes,
-                lane, 32);
-  float wv[kFoldMaxPerThread];
-#pragma unroll
-  for (int u = 0; u < kFoldMaxPerThread; ++u) wv[u] = u < nb ? in.w[tid + 256 * u] : 0.0f;
-  pdl_enter();
-  float v[kFoldMaxPerThread];
-#pragma unroll
-  for (int u = 0; u < kFoldMaxPerThread; ++u) {
-    const int i = tid + 256 * u;
-    if (u < nb) v[u] = __fadd_rn(in.y0 ? __fadd_rn(in.x[i], in.y0[i]) : in.x[i], in.y[i]);
-  }
-  double sq = 0.0;
-#pragma unroll
-  for (int u = 0; u < kFoldMaxPerThread; ++u)
-    if (u < nb) sq += static_cast<double>(__fmul_rn(v[u], v[u]));
-#pragma unroll
-  for (int u = 0; u < kFoldMaxPerThread; ++u)
-    if (u == static_cast<int>(blockIdx.x) && u < nb) in.x_out[256 * u + tid] = v[u];
-  const float scale = block_rms_scale(sq, in.n, in.eps, part);
-#pragma unroll
-  for (int u = 0; u < kFoldMaxPerThread; ++u)
-    if (u < nb) xn_sh[tid + 256 * u] = __fmul_rn(__fmul_rn(v[u], scale), wv[u]);
-  __syncthreads();
-  for (int b = warp; b < nb; b += kNormMvWarps) quantize_q8k_block(xn_sh + 256 * b, q_sh + 292 * b, lane);
-  __syncthreads();
-  if (row0 >= rows) return;
-  if constexpr (T2 != T) {
-    if (a.seg_alt[sg]) {
-      mmvq_rows<T2, 1, kNormMvRows, false>(a, a.seg_w[sg], nullptr, row_bytes, q_sh, a.seg_y[sg], rows, a.seg_ld[sg],
-                                           row0, lane);
-      return;
-    }
-  }
-  mmvq_rows<T, 1, kNormMvRows, false>(a, a.seg_w[sg], nullptr, row_bytes, q_sh, a.seg_y[sg], rows, a.seg_ld[sg], row0,
-                                      lane);
-}
-
 // Routed experts with their combination fused (decode, every chosen expert on the device): for token
 // t = blockIdx.y and each row, the k slots' products v_j (each exactly as mmvq_kernel computes it,
 // activation row = slot) are combined as moe_combine does, y[t][r] = sum_j wts[t*k+j] * v_j in j order.
@@ -2976,56 +2918,6 @@ void matvec_experts_glu(const DevMatrix& gate, const DevMatrix& up, const int32_
   if (n_slots > 65535) fail("matvec_experts_glu: too many slots");
   if (!ids || !act_row) fail("matvec_experts_glu: ids and act_row are required");
   launch_matvec(gate, acts, 1, y, ld_y, ids, slot_of, n_slots, act_row, cs(s), "matvec_experts_glu", &up);
-}
-
-void matvec_multi_norm(const DevMatrix* const* ws, float* const* ys, const int n, const NormIn& in, Stream s) {
-  if (n <= 0 || n > kMaxMatvecs) fail("matvec_multi_norm: 1 to 4 matrices");
-  if (!in.x || !in.y || !in.w || !in.x_out || in.x_out == in.x)
-    fail("matvec_multi_norm: x, y, w and an x_out that is not x are required");
-  if (in.n <= 0 || in.n % 256 != 0 || in.n > kFoldMaxPerThread * 256)
-    fail("matvec_multi_norm: rows of 256 to " + std::to_string(kFoldMaxPerThread * 256) + " values in whole Q8_K blocks");
-  std::vector<DType> types;
-  for (int i = 0; i < n; ++i) {
-    check_weight(*ws[i], "matvec_multi_norm");
-    if (is_float_type(ws[i]->type) || dtype_info(ws[i]->type).act_type != DType::Q8_K || ws[i]->cols != in.n ||
-        ws[i]->n_mats != 1)
-      fail("matvec_multi_norm: single matrices of a type taking Q8_K activations, of the rows' width");
-    if (std::find(types.begin(), types.end(), ws[i]->type) == types.end()) types.push_back(ws[i]->type);
-  }
-  if (types.size() > 2) fail("matvec_multi_norm: at most two weight types");
-  DType t1 = types.front(), t2 = types.back();
-  if (t1 > t2) std::swap(t1, t2);
-  MvArgs a = mv_args(*ws[0], ys[0], 1, ys[0], ws[0]->rows, "matvec_multi_norm");  // (acts: in shared memory)
-  a.n_seg = n;
-  a.seg_cta[0] = 0;
-  for (int i = 0; i < n; ++i) {
-    a.seg_w[i] = ws[i]->data;
-    a.seg_y[i] = ys[i];
-    a.seg_rows[i] = ws[i]->rows;
-    a.seg_ld[i] = ws[i]->rows;
-    a.seg_row_bytes[i] = ws[i]->row_bytes;
-    a.seg_alt[i] = ws[i]->type != t1;
-    a.seg_cta[i + 1] = a.seg_cta[i] + blocks_for(ws[i]->rows, kNormMvWarps * kNormMvRows);
-  }
-  const unsigned ctas = a.seg_cta[n];
-  const cudaStream_t st = cs(s);
-  auto go = [&](auto kernel) { launch(kernel, ctas, kNormMvWarps * 32, 0, st, a, in); };
-  if (t1 == t2) {
-    with_quant_type(t1, "matvec_multi_norm", [&](auto T) {
-      if constexpr (WT<decltype(T)::value>::kFam == kFamQ8_K) go(mmvq_norm_kernel<decltype(T)::value, decltype(T)::value>);
-    });
-  } else if (t1 == DType::Q4_K && t2 == DType::Q6_K) {
-    go(mmvq_norm_kernel<DType::Q4_K, DType::Q6_K>);
-  } else if (t1 == DType::Q5_K && t2 == DType::Q6_K) {
-    go(mmvq_norm_kernel<DType::Q5_K, DType::Q6_K>);
-  } else if (t1 == DType::Q3_K && t2 == DType::Q4_K) {
-    go(mmvq_norm_kernel<DType::Q3_K, DType::Q4_K>);
-  } else if (t1 == DType::Q3_K && t2 == DType::Q5_K) {
-    go(mmvq_norm_kernel<DType::Q3_K, DType::Q5_K>);
-  } else {
-    fail(std::string("matvec_multi_norm: no kernel for the pair ") + tname(t1) + " / " + tname(t2));
-  }
-  launched("matvec_multi_norm");
 }
 
 void matvec_experts_glu_routed(const DevMatrix& gate, const DevMatrix& up, const float* logits, int n_expert, int k,

@@ -83,20 +83,6 @@ void matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_
 void matvec_multi(const DevMatrix* const* ws, float* const* ys, const int64_t* ld_ys, int n, const void* acts,
                   int n_tokens, Stream s);
 
-// One token's attention input side in one launch (experimental): x_out = (x + y0) + y (y0 may be null),
-// xn = rms_norm(x_out) * w, the bits of residual_norm, converted to Q8_K inside the kernel, then
-// ys[i] = ws[i] xn (rows ws[i]->rows apart) as matvec_multi computes them. x_out must not be x.
-struct NormIn {
-  const float* x;
-  const float* y0;
-  const float* y;
-  const float* w;
-  float* x_out;
-  int n;
-  float eps;
-};
-void matvec_multi_norm(const DevMatrix* const* ws, float* const* ys, int n, const NormIn& in, Stream s);
-
 // Routed experts, decode style: for slot j < n_slots, with m = slot_of ? slot_of[ids[j]] : ids[j],
 // matrix m of w times activation row act_row[j] (index into acts, rows act_bytes(act, cols, 1) apart)
 // -> y[j * ld_y + r]. m < 0 (an expert that lives in host memory) leaves row j of y untouched. All

@@ -158,9 +158,6 @@ class GpuState final : public ModelState {
   // Device scratch.
   float *x = nullptr, *xn = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *att = nullptr, *y = nullptr;
   float* y_attn = nullptr;  // the attention output when its residual add is deferred (folds_norm below)
-  // x and its twin: folds_attn_norm moves the residual from one to the other (a kernel whose CTAs all
-  // read x cannot also update it in place). Each step starts with x = x_home, x_twin = x_away.
-  float *x_twin = nullptr, *x_home = nullptr, *x_away = nullptr;
   float *rlogits = nullptr, *wts = nullptr, *g = nullptr, *u = nullptr, *ey = nullptr, *logits = nullptr;
   float *xg = nullptr;
   int32_t *ids = nullptr, *pos = nullptr, *tokens = nullptr, *act_row = nullptr, *ident = nullptr, *idx_a = nullptr,
@@ -222,17 +219,6 @@ bool route_in_experts() {
     return !(e && std::string(e) == "0");
   }();
   return on;
-}
-
-// Experimental switches for A/B measurements on the GPU machine (FITMOE_EXP=name1,name2):
-// a change stays only when measured faster, and then without its switch.
-bool exp_on(const char* name) {
-  static const std::string list = [] {
-    std::string v = std::getenv("FITMOE_EXP") ? std::getenv("FITMOE_EXP") : "";
-    std::replace(v.begin(), v.end(), ',', ' ');
-    return " " + v + " ";
-  }();
-  return list.find(" " + std::string(name) + " ") != std::string::npos;
 }
 
 // Where a decode step's GPU time goes (FITMOE_PROFILE=1): graphs are off, each profiled step is queued
@@ -475,8 +461,7 @@ class Qwen3Gpu final : public GpuRunner {
                   aw = static_cast<int64_t>(c_.n_head) * c_.head_dim_v;
     const int64_t ff = std::max<int64_t>({c_.n_ff_exp, c_.n_ff, 1});
     const int64_t slots = c_.n_expert ? static_cast<int64_t>(U) * k : U;
-    st.x = st.x_home = st.dev_floats(U * n, "activations");
-    st.x_twin = st.x_away = st.dev_floats(U * n, "activations");
+    st.x = st.dev_floats(U * n, "activations");
     st.xn = st.dev_floats(U * n, "activations");
     st.q = st.dev_floats(U * qw, "activations");
     st.k = st.dev_floats(U * kw, "activations");
@@ -676,24 +661,6 @@ class Qwen3Gpu final : public GpuRunner {
            dtype_info(G.experts.gate.type).act_type == DType::Q8_K && c_.n_expert_used <= 8 &&
            !is_float_type(G.experts.down.type);  // (the down kernel then combines into y: residual_norm's y0 path)
   }
-  // Experimental (FITMOE_EXP=fold_qkv): layer l's q, k, v launch also ends layer l - 1's FFN block
-  // (x + y_attn + y, the attention norm, its Q8_K: gpu::matvec_multi_norm) instead of residual_norm.
-  bool folds_attn_norm(int l, int nt) const {
-    if (l < 1 || l >= c_.n_layer || !exp_on("fold_qkv") || !folds_norm(layers_[l - 1], nt)) return false;
-    const GLayer& G = layers_[l];
-    for (const GWeight* w : {&G.wq, &G.wk, &G.wv})
-      if (!w->on_gpu() || is_float_type(w->dev.type) || dtype_info(w->dev.type).act_type != DType::Q8_K ||
-          w->dev.cols != c_.n_embd)
-        return false;
-    const DType a = G.wq.dev.type, b = G.wk.dev.type, v = G.wv.dev.type;
-    auto pair_ok = [](DType x, DType y) {
-      if (x == y) return true;
-      if (x > y) std::swap(x, y);
-      return (x == DType::Q4_K && y == DType::Q6_K) || (x == DType::Q5_K && y == DType::Q6_K) ||
-             (x == DType::Q3_K && y == DType::Q4_K) || (x == DType::Q3_K && y == DType::Q5_K);
-    };
-    return G.attn_norm && (a == b || a == v || b == v) && pair_ok(a, b) && pair_ok(a, v) && pair_ok(b, v);
-  }
 
   // Attention block of layer l and the FFN norm: x -> x + attn(xn), xn = ffn_norm(x). On entry xn
   // holds attn_norm(x) (from input_norm or the previous layer's ffn_finish). With folds_norm the block
@@ -703,18 +670,8 @@ class Qwen3Gpu final : public GpuRunner {
     GLayer& G = layers_[l];
     const int E = c.n_embd, hd = c.head_dim, hdv = c.head_dim_v;
     const int qw = c.n_head * hd, kw = c.n_head_kv * hd, vw = c.n_head_kv * hdv, aw = c.n_head * hdv;
-    if (folds_attn_norm(l, nt)) {
-      const gpu::DevMatrix* ws[3] = {&G.wq.dev, &G.wk.dev, &G.wv.dev};
-      float* ys[3] = {st.q, st.k, st.v};
-      const gpu::NormIn in{st.x, st.y_attn, st.y, G.attn_norm, st.x_twin, E, c.rms_eps};
-      gpu::matvec_multi_norm(ws, ys, 3, in, stream_);
-      std::swap(st.x, st.x_twin);
-      st.xn_q_valid = false;
-      prof_.mark("residual + attn norm + q,k,v", stream_);
-    } else {
-      linear_shared(st, pool, {{&G.wq, st.q, qw}, {&G.wk, st.k, kw}, {&G.wv, st.v, vw}}, st.xn, nt);
-      prof_.mark("attn q,k,v", stream_);
-    }
+    linear_shared(st, pool, {{&G.wq, st.q, qw}, {&G.wk, st.k, kw}, {&G.wv, st.v, vw}}, st.xn, nt);
+    prof_.mark("attn q,k,v", stream_);
     gpu::qk_norm_rope_store(st.q, qw, st.k, kw, st.v, vw, G.q_norm, G.k_norm, st.kv[l], st.pos, nt, c.n_head,
                             c.n_head_kv, hd, hdv, c.n_rot, c.rope_base, c.rope_freq_scale, c.rms_eps, stream_);
     prof_.mark("q/k norm + rope + kv store", stream_);
@@ -891,7 +848,6 @@ class Qwen3Gpu final : public GpuRunner {
   // and norm the result for the next layer's attention (the last layer leaves that to the head).
   // host_rows: the host experts' outputs are in st.ey_host (from ffn_host), not in st.ey.
   void ffn_finish(GpuState& st, int l, int nt, bool host_rows) {
-    if (folds_attn_norm(l + 1, nt)) return;  // the next layer's q, k, v launch does it
     const bool last = l + 1 == c_.n_layer;
     const float* next_norm = last ? nullptr : layers_[l + 1].attn_norm;
     float* xn = last ? nullptr : st.xn;
@@ -1007,7 +963,6 @@ class Qwen3Gpu final : public GpuRunner {
     Segments seg(st.graphs, stream_);
     seg.begin();
     if (seg.recording()) {
-      st.x = st.x_home, st.x_twin = st.x_away;  // (folds_attn_norm moves x within a step)
       upload_inputs(st, 1);
       input_norm(st, 1);
       attention_block(st, pool, 0, 1, pos0);
@@ -1045,7 +1000,6 @@ class Qwen3Gpu final : public GpuRunner {
     if (nt == 1 && n_out == 1 && graphs_ok_) return decode_step_graphs(st, pool, tokens[0], pos0, logits);
     prepare_inputs(st, pool, tokens, pos0);
     if (nt <= gpu::kMaxVecTokens) prof_.begin(stream_);
-    st.x = st.x_home, st.x_twin = st.x_away;  // (folds_attn_norm moves x within a step)
     upload_inputs(st, nt);
     input_norm(st, nt);
     prof_.mark("inputs + first norm", stream_);
