@@ -384,7 +384,6 @@ struct MvArgs {
   int route_n, route_k;
   int32_t* route_ids;
   float* route_wts;
-  bool late_trigger;  // (experiment) mmvq_glu_routed_kernel lets the next kernel start only at its end
 };
 
 constexpr int kMvWarps = 4;  // warps per CTA; each warp owns R rows
@@ -533,8 +532,7 @@ __global__ void __launch_bounds__(kMvWarps * 32) mmvq_kernel(const MvArgs a) {
 // host gets NaN rows, so that the failure shows instead of stale values.
 template <DType T>
 __global__ void __launch_bounds__(kMvWarps * 32, 6) mmvq_glu_routed_kernel(const MvArgs a) {
-  if (a.late_trigger) pdl_wait();
-  else pdl_enter();
+  pdl_enter();
   __shared__ int m_sh;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * kMvWarps + warp) * 2;
@@ -557,7 +555,6 @@ __global__ void __launch_bounds__(kMvWarps * 32, 6) mmvq_glu_routed_kernel(const
   if (row0 >= a.rows) return;
   const uint8_t* wm = a.w + static_cast<size_t>(m) * a.mat_bytes;
   mmvq_rows<T, 1, 2, true>(a, wm, a.w2 + (wm - a.w), a.row_bytes, a.acts, y, a.rows, a.ld_y, row0, lane);
-  if (a.late_trigger) pdl_trigger();
 }
 
 // Float weights (F32/F16/BF16 with activations of the same type): one warp per row, lanes over
@@ -832,54 +829,6 @@ __global__ void __launch_bounds__(MAXK * 32) mmvq_combine_kernel(const MvArgs a,
   float o = __fmul_rn(v[0][r], wt[0]);
   for (int i = 1; i < k; ++i) o = __fadd_rn(o, __fmul_rn(v[i][r], wt[i]));
   a.y[t * a.ld_y + row0 + r] = o;
-}
-
-// Down + combine for one token whose experts routed for themselves (mmvq_glu_routed_kernel) and whose
-// SwiGLU output g is still float: no quantize launch between the two. Before its wait the kernel makes
-// the routing's choices and weights itself from the router's logits (written two kernels back, so
-// final; the same function and inputs as the gate+up kernel's, so the same bits) and hints the chosen
-// rows into L2; after it, warp j turns slot j's row of g into Q8_K in shared memory (quantize_q8k_block,
-// the bits quant_q8k_kernel writes) and computes its products from there. Every expert on the device in
-// id order (no slot map); a choice out of range gives NaN rows.
-template <DType T>
-__global__ void __launch_bounds__(8 * 32) mmvq_combine_routed_kernel(const MvArgs a, const float* __restrict__ g,
-                                                                     int64_t ld_g) {
-  extern __shared__ __align__(16) uint8_t gq[];  // [k][act_stride]: each slot's g in Q8_K
-  __shared__ float v[8][kCombineRows];
-  __shared__ int e_sh[8];
-  __shared__ float w_sh[8];
-  const int j = threadIdx.x >> 5, lane = threadIdx.x & 31, k = a.route_k;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kCombineRows;
-  if (j == 0) {
-    float my_w;
-    int my_i;
-    route_choose(a.route_logits, a.route_n, k, my_w, my_i);
-    const float w = renormalised(my_w, k);
-    if (lane < k) e_sh[lane] = my_i, w_sh[lane] = w;
-  }
-  __syncthreads();
-  const int e = j < k ? e_sh[j] : -1;
-  const bool have = e >= 0 && e < a.n_mats;
-  const uint8_t* wm = a.w + static_cast<size_t>(have ? e : 0) * a.mat_bytes + row0 * a.row_bytes;
-  if (have) prefetch_l2(wm, (a.rows - row0 < kCombineRows ? a.rows - row0 : kCombineRows) * a.row_bytes, lane, 32);
-  pdl_enter();
-  if (j < k) {
-    uint8_t* q = gq + static_cast<size_t>(j) * a.act_stride;
-    const float* gr = g + static_cast<int64_t>(j) * ld_g;
-    for (int64_t b = 0; b < a.cols / 256; ++b) quantize_q8k_block(gr + 256 * b, q + 292 * b, lane);
-    __syncwarp();
-    if (!have) {
-      if (lane < kCombineRows) v[j][lane] = __int_as_float(0x7fc00000);
-    } else {
-      mmvq_rows<T, 1, kCombineRows, false>(a, wm, nullptr, a.row_bytes, q, v[j], a.rows - row0, 0, 0, lane);
-    }
-  }
-  __syncthreads();
-  const int r = threadIdx.x;
-  if (r >= kCombineRows || row0 + r >= a.rows) return;
-  float o = __fmul_rn(v[0][r], w_sh[0]);
-  for (int i = 1; i < k; ++i) o = __fadd_rn(o, __fmul_rn(v[i][r], w_sh[i]));
-  a.y[row0 + r] = o;
 }
 
 template <DType T, int NT, DType T2 = T>
@@ -1324,17 +1273,6 @@ __global__ void residual_norm_kernel(float* x, const float* __restrict__ y0, con
   const size_t stride = static_cast<size_t>(n / 256) * 292;
   for (int b = tid >> 5; b < n / 256; b += nth >> 5)
     quantize_q8k_block(yr + 256 * b, xq + r * stride + static_cast<size_t>(b) * 292, tid & 31);
-}
-
-// A decode step's inputs, read by the GPU from pinned host memory (device views) instead of three
-// copy-engine transfers at the head of the step's graph: the position, the epoch and the token.
-__global__ void decode_inputs_kernel(const unsigned* h_pos, const unsigned* h_epoch, const unsigned* h_tok,
-                                     int32_t* pos, unsigned* epoch, int32_t* tok) {
-  if (threadIdx.x == 0) {
-    pos[0] = static_cast<int32_t>(load_acquire_sys(h_pos));
-    *epoch = load_acquire_sys(h_epoch);
-    if (h_tok) tok[0] = static_cast<int32_t>(load_acquire_sys(h_tok));
-  }
 }
 
 __global__ void add_kernel(float* x, const float* __restrict__ y, int64_t n) {
@@ -2794,14 +2732,6 @@ void busy_wait(int microseconds, Stream s) {
   launched("busy_wait");
 }
 
-void decode_inputs(const int32_t* h_pos, const unsigned* h_epoch, const int32_t* h_tok, int32_t* pos, unsigned* epoch,
-                   int32_t* tok, Stream s) {
-  if (!h_pos || !h_epoch || !pos || !epoch || (h_tok && !tok)) fail("decode_inputs: missing buffers");
-  decode_inputs_kernel<<<1, 32, 0, cs(s)>>>(reinterpret_cast<const unsigned*>(h_pos), h_epoch,
-                                            reinterpret_cast<const unsigned*>(h_tok), pos, epoch, tok);
-  launched("decode_inputs");
-}
-
 void embed_rows(const DevMatrix& table, const int32_t* ids, int n, float* out, Stream s) {
   if (n <= 0) return;
   check_weight(table, "embed_rows");
@@ -2992,7 +2922,7 @@ void matvec_experts_glu(const DevMatrix& gate, const DevMatrix& up, const int32_
 
 void matvec_experts_glu_routed(const DevMatrix& gate, const DevMatrix& up, const float* logits, int n_expert, int k,
                                int32_t* ids, float* weights, const int32_t* slot_of, const void* acts, float* y,
-                               int64_t ld_y, Stream s, bool late_trigger) {
+                               int64_t ld_y, Stream s) {
   if (n_expert <= 0 || n_expert > kRouteInExpertsMax || k <= 0 || k > 32 || k > n_expert)
     fail("matvec_experts_glu_routed: 1 to 32 of at most " + std::to_string(kRouteInExpertsMax) + " experts");
   if (!logits || !ids || !weights) fail("matvec_experts_glu_routed: logits, ids and weights are required");
@@ -3008,7 +2938,6 @@ void matvec_experts_glu_routed(const DevMatrix& gate, const DevMatrix& up, const
   a.route_k = k;
   a.route_ids = ids;
   a.route_wts = weights;
-  a.late_trigger = late_trigger;
   const dim3 grid(blocks_for(gate.rows, kMvWarps * 2), static_cast<unsigned>(k));
   const cudaStream_t st = cs(s);
   with_quant_type(gate.type, "matvec_experts_glu_routed",
@@ -3039,30 +2968,6 @@ void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_
     launch(mmvq_combine_kernel<decltype(T)::value, 8>, grid, 8 * 32, 0, st, a, wts, k);
   });
   launched("matvec_experts_combine");
-}
-
-void matvec_experts_combine_routed(const DevMatrix& w, const float* logits, int n_expert, int k, const float* g,
-                                   int64_t ld_g, float* y, Stream s) {
-  if (n_expert <= 0 || n_expert > kRouteInExpertsMax || k <= 0 || k > 8 || k > n_expert)
-    fail("matvec_experts_combine_routed: 1 to 8 of at most " + std::to_string(kRouteInExpertsMax) + " experts");
-  if (!logits || !g || !y) fail("matvec_experts_combine_routed: logits, g and y are required");
-  if (is_float_type(w.type) || dtype_info(w.type).act_type != DType::Q8_K)
-    fail("matvec_experts_combine_routed: experts of a quantized type that takes Q8_K activations only");
-  if (w.n_mats < n_expert) fail("matvec_experts_combine_routed: every expert's matrix must be on the device");
-  if (ld_g < w.cols || !aligned(g, 4)) fail("matvec_experts_combine_routed: bad g rows");
-  // (A dummy Q8_K pointer for the checks: the kernel's activations are its own, in shared memory.)
-  MvArgs a = mv_args(w, g, 1, y, w.rows, "matvec_experts_combine_routed");
-  a.route_logits = logits;
-  a.route_n = n_expert;
-  a.route_k = k;
-  const size_t smem = static_cast<size_t>(k) * a.act_stride;
-  if (smem > 48 * 1024) fail("matvec_experts_combine_routed: expert rows too long for shared memory");
-  const dim3 grid(blocks_for(w.rows, kCombineRows), 1);
-  const cudaStream_t st = cs(s);
-  with_quant_type(w.type, "matvec_experts_combine_routed", [&](auto T) {
-    launch(mmvq_combine_routed_kernel<decltype(T)::value>, grid, 8 * 32, smem, st, a, g, ld_g);
-  });
-  launched("matvec_experts_combine_routed");
 }
 
 void handover_combine(const unsigned* host_flag, const unsigned* epoch, const float* host_rows, const float* ey,

@@ -43,10 +43,6 @@ struct DevMatrix {
 };
 
 // ---- elementwise and norms ------------------------------------------------------------------------
-// One decode step's inputs from pinned host memory (device views of it: h_tok may be null) into device
-// memory: pos[0] = *h_pos, *epoch = *h_epoch, tok[0] = *h_tok. One kernel where three copies would be.
-void decode_inputs(const int32_t* h_pos, const unsigned* h_epoch, const int32_t* h_tok, int32_t* pos, unsigned* epoch,
-                   int32_t* tok, Stream s);
 // out[t] = decode(table row ids[t]) for t < n (table rows of any weight type).
 void embed_rows(const DevMatrix& table, const int32_t* ids, int n, float* out, Stream s);
 // y = x / sqrt(mean(x^2) + eps) * w, per row of n values (w may be null). In place allowed.
@@ -112,14 +108,7 @@ void matvec_experts_glu(const DevMatrix& gate, const DevMatrix& up, const int32_
 constexpr int kRouteInExpertsMax = 256;
 void matvec_experts_glu_routed(const DevMatrix& gate, const DevMatrix& up, const float* logits, int n_expert, int k,
                                int32_t* ids, float* weights, const int32_t* slot_of, const void* acts, float* y,
-                               int64_t ld_y, Stream s, bool late_trigger = false);
-// Down + combine after matvec_experts_glu_routed (one token, every expert on the device in id order;
-// experiment): makes the same choices and weights from the same logits itself, converts slot j's float
-// row j of g (ld_g apart) to Q8_K in shared memory, and writes y[r] = the combination, the very bits of
-// quantize_acts(Q8_K) + matvec_experts_combine with route_topk's choices. Experts whose activations are
-// Q8_K (the k-quants), k <= 8.
-void matvec_experts_combine_routed(const DevMatrix& w, const float* logits, int n_expert, int k, const float* g,
-                                   int64_t ld_g, float* y, Stream s);
+                               int64_t ld_y, Stream s);
 // dst[dst_rows ? dst_rows[i] : i] = src[src_rows ? src_rows[i] : i] for i < n rows of `width` floats.
 // Hybrid decode, the GPU side of the hand-over from the CPU's experts, with their combination: waits
 // until *host_flag (pinned host memory, device view) equals *epoch (device), then for each token

@@ -221,17 +221,6 @@ bool route_in_experts() {
   return on;
 }
 
-// Experimental switches for A/B measurements on the GPU machine (FITMOE_EXP=name1,name2): a change
-// stays only when measured faster, and then without its switch.
-bool exp_on(const char* name) {
-  static const std::string list = [] {
-    std::string v = std::getenv("FITMOE_EXP") ? std::getenv("FITMOE_EXP") : "";
-    std::replace(v.begin(), v.end(), ',', ' ');
-    return " " + v + " ";
-  }();
-  return list.find(" " + std::string(name) + " ") != std::string::npos;
-}
-
 // Where a decode step's GPU time goes (FITMOE_PROFILE=1): graphs are off, each profiled step is queued
 // behind a busy-wait so the GPU runs it back to back, and an event after every op gives the op's own
 // time. Printed per op name (mean per step) to stderr when the model is unloaded.
@@ -673,15 +662,6 @@ class Qwen3Gpu final : public GpuRunner {
            !is_float_type(G.experts.down.type);  // (the down kernel then combines into y: residual_norm's y0 path)
   }
 
-  // Experiment (FITMOE_EXP=down_quant): the down kernel routes again and makes the Q8_K of g itself (no
-  // quantize launch); the gate+up kernel then lets it start only at its end (its CTAs, launched early,
-  // took gate+up's registers: 372 against 410 tok/s).
-  bool down_quant(const GLayer& G) const {
-    const GExperts& X = G.experts;
-    return exp_on("down_quant") && c_.n_expert_used <= 8 && !X.decode_slot_of() &&
-           dtype_info(X.down.type).act_type == DType::Q8_K && !is_float_type(X.down.type);
-  }
-
   // Attention block of layer l and the FFN norm: x -> x + attn(xn), xn = ffn_norm(x). On entry xn
   // holds attn_norm(x) (from input_norm or the previous layer's ffn_finish). With folds_norm the block
   // ends at the attention output (in y_attn); the router's launch does the rest.
@@ -775,7 +755,7 @@ class Qwen3Gpu final : public GpuRunner {
     if (X.n_dev > 0) {
       if (routed_by_experts) {
         gpu::matvec_experts_glu_routed(X.gate, X.up, st.rlogits, c.n_expert, k, st.ids, st.wts, X.decode_slot_of(), acts,
-                                       st.g, ff, stream_, down_quant(G));
+                                       st.g, ff, stream_);
       } else if (X.gate.type == X.up.type && !is_float_type(X.gate.type)) {
         gpu::matvec_experts_glu(X.gate, X.up, st.ids, X.decode_slot_of(), n_slots, acts, st.act_row, st.g, ff, stream_);
       } else {
@@ -795,12 +775,6 @@ class Qwen3Gpu final : public GpuRunner {
     }
     prof_.mark("experts gate+up", stream_);
     const DevMatrix& down = X.n_dev > 0 ? X.down : X.host_down;
-    if (routed_by_experts && down_quant(G)) {
-      gpu::matvec_experts_combine_routed(X.down, st.rlogits, c.n_expert, k, st.g, ff, st.y, stream_);
-      st.ffn_out_combined = true;
-      prof_.mark("experts down", stream_);
-      return;
-    }
     acts = vec_acts(st, down.type, st.g, n_slots, ff);
     if (X.n_dev == c.n_expert && k <= 8 && !is_float_type(X.down.type)) {
       // Every expert on the GPU: the down products combine straight into st.y.
@@ -920,15 +894,6 @@ class Qwen3Gpu final : public GpuRunner {
     else cpu::embed(pool, w_.tok_embd, tokens, st.h_x);
   }
   void upload_inputs(GpuState& st, int nt) {
-    if (nt == 1 && exp_on("inputs_kernel")) {
-      gpu::decode_inputs(static_cast<const int32_t*>(gpu::device_view(st.h_pos)),
-                         static_cast<const unsigned*>(gpu::device_view(st.h_epoch)),
-                         embed_dev_.data ? static_cast<const int32_t*>(gpu::device_view(st.h_idx)) : nullptr, st.pos,
-                         st.epoch_dev, st.tokens, stream_);
-      if (embed_dev_.data) gpu::embed_rows(embed_dev_, st.tokens, nt, st.x, stream_);
-      else gpu::copy_h2d(st.x, st.h_x, sizeof(float) * nt * c_.n_embd, stream_);
-      return;
-    }
     gpu::copy_h2d(st.pos, st.h_pos, sizeof(int32_t) * nt, stream_);
     gpu::copy_h2d(st.epoch_dev, st.h_epoch, sizeof(unsigned), stream_);
     if (embed_dev_.data) {
@@ -1026,15 +991,7 @@ class Qwen3Gpu final : public GpuRunner {
     seg.end();
     if (host_layer >= 0) ffn_host(st, pool, host_layer, 1);
     gpu::sync_stream(stream_);
-    if (logits && exp_on("par_logits")) {
-      // The logits out of pinned memory on every thread (one thread copies ~10 GB/s: 60 us for 150k).
-      const int64_t n = c_.n_vocab;
-      pool.parallel_ranges(n, [&](int64_t b, int64_t e, int) {
-        std::memcpy(logits + b, st.h_out + b, sizeof(float) * static_cast<size_t>(e - b));
-      });
-    } else if (logits) {
-      std::memcpy(logits, st.h_out, sizeof(float) * c_.n_vocab);
-    }
+    if (logits) std::memcpy(logits, st.h_out, sizeof(float) * c_.n_vocab);
   }
 
   void micro_batch(GpuState& st, ThreadPool& pool, std::span<const int32_t> tokens, int pos0, int n_out, float* logits) {

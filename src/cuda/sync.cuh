@@ -21,19 +21,6 @@ __device__ __forceinline__ void pdl_enter() {
 #endif
 }
 
-// The two halves of pdl_enter, for a kernel that lets the next one start only near its end (its
-// dependents' CTAs would otherwise take registers its own later CTAs need).
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // The flags the CPU and the GPU exchange through pinned memory: system-scope acquire / release from
 // compute capability 7.0 (Volta), a volatile access and a system fence before it (Pascal).
 __device__ __forceinline__ unsigned load_acquire_sys(const unsigned* p) {

@@ -596,59 +596,6 @@ TEST_F(GpuOps, MatvecExpertsCombineEqualsExpertsAndCombine) {
   }
 }
 
-// Down + combine that routes again from the logits and quantizes the float SwiGLU rows itself: the
-// bits of route_topk + quantize_acts(Q8_K) + matvec_experts_combine, for expert counts up to the limit,
-// ties, k below 8, rows of g with a gap (ld_g), and NaN logits (no choice: every row NaN, nothing read
-// out of range).
-TEST_F(GpuOps, MatvecExpertsCombineRoutedEqualsTopkQuantizeAndCombine) {
-  const int64_t cols = 768, rows = 42;  // (42: the last CTA has rows past the end)
-  for (DType t : {DType::Q4_K, DType::Q5_K, DType::Q6_K}) {
-    for (int n_expert : {60, 128, 256}) {
-      HostMatrix w = random_matrix(t, rows, cols, n_expert, 731 + n_expert);
-      auto dw = upload(w.data);
-      DevMatrix m = dev_matrix(w, *dw);
-      for (int k : {8, 3}) {
-        for (int variant = 0; variant < 3; ++variant) {  // plain, ties, NaN logits
-          SCOPED_TRACE(std::string(dtype_name(t)) + " experts " + std::to_string(n_expert) + " k " + std::to_string(k) +
-                       " variant " + std::to_string(variant));
-          std::vector<float> logits = randn(n_expert, 732 + n_expert + k + variant, 2.0f);
-          if (variant == 1)
-            for (int e = 3; e < n_expert; e += 5) logits[e] = 4.0f;
-          if (variant == 2) logits[n_expert / 3] = std::numeric_limits<float>::quiet_NaN();
-          const int64_t ld_g = cols + 32;
-          auto dl = upload(logits);
-          auto dg = upload(randn(static_cast<size_t>(ld_g) * k, 733 + k, 0.7f));
-          Dev y(static_cast<size_t>(rows + 3) * 4), ref(static_cast<size_t>(rows) * 4), ids(k * 4), wts(k * 4),
-              acts(act_bytes(DType::Q8_K, cols, k));
-          matvec_experts_combine_routed(m, dl->as<float>(), n_expert, k, dg->as<float>(), ld_g, y.as<float>(), s());
-          route_topk(dl->as<float>(), 1, n_expert, k, ids.as<int32_t>(), wts.as<float>(), s());
-          quantize_acts(DType::Q8_K, dg->as<float>(), cols, k, ld_g, acts.as(), s());
-          matvec_experts_combine(m, ids.as<int32_t>(), nullptr, 1, k, acts.as(), wts.as<float>(), ref.as<float>(), rows,
-                                 s());
-          sync();
-          auto a = y.down<float>(static_cast<size_t>(rows + 3)), b = ref.down<float>(static_cast<size_t>(rows));
-          for (int64_t r = 0; r < rows + 3; ++r) {
-            if (r >= rows) ASSERT_TRUE(is_poison(a[r])) << "wrote past the rows";
-            else if (variant == 2) ASSERT_TRUE(std::isnan(a[r]) && !is_poison(a[r])) << "NaN logits: row " << r;
-            else ASSERT_EQ(bits(a[r]), bits(b[r])) << "row " << r;
-          }
-        }
-      }
-    }
-  }
-  HostMatrix w = random_matrix(DType::Q4_K, rows, cols, 4, 734);
-  auto dw = upload(w.data);
-  DevMatrix m = dev_matrix(w, *dw);
-  Dev buf(1 << 16);
-  EXPECT_THROW(matvec_experts_combine_routed(m, buf.as<float>(), 8, 2, buf.as<float>(), cols, buf.as<float>(), s()),
-               Error);  // 4 matrices, 8 experts
-  HostMatrix q8 = random_matrix(DType::Q8_0, rows, cols, 8, 735);
-  auto dq = upload(q8.data);
-  EXPECT_THROW(matvec_experts_combine_routed(dev_matrix(q8, *dq), buf.as<float>(), 8, 2, buf.as<float>(), cols,
-                                             buf.as<float>(), s()),
-               Error);  // Q8_0 takes Q8_0 activations
-}
-
 // The hand-over from the CPU's experts: the kernel waits for the flag to reach the epoch (here set by
 // the host while the kernel is already waiting), then copies exactly the host slots' rows; device
 // slots' rows stay untouched. A second round with a new epoch must wait again (the old flag value
