@@ -104,6 +104,17 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaS
   (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
+// Experimental switches for A/B measurements on the GPU machine (FITMOE_EXP=name1,name2; the engine's
+// own are in qwen3_gpu.cpp): a change stays only when measured faster, and then without its switch.
+bool exp_switch(const char* name) {
+  static const std::string list = [] {
+    std::string v = std::getenv("FITMOE_EXP") ? std::getenv("FITMOE_EXP") : "";
+    std::replace(v.begin(), v.end(), ',', ' ');
+    return " " + v + " ";
+  }();
+  return list.find(" " + std::string(name) + " ") != std::string::npos;
+}
+
 // ================================ device-side helpers =============================================
 
 // (pdl_enter, the acquire / release flags and counters, poll_pause and prefetch_l2 are in cuda/sync.cuh.)
@@ -729,6 +740,8 @@ __device__ __forceinline__ float block_rms_scale(double s, int n, float eps, dou
 // CTA b < n / 256 writes Q8_K block b of it for the experts. One launch fewer than residual_norm +
 // router per layer.
 constexpr int kFoldMaxPerThread = 16;  // n <= 16 * 256
+constexpr int kFoldRowVecs = kFoldMaxPerThread * 256 / 4 / (kMvWarps * 32);  // float4s of the row per thread
+template <bool RowRegs>
 __global__ void __launch_bounds__(kMvWarps * 32) residual_norm_router_kernel(
     const float* x, const float* y, const float* __restrict__ w, int n, float eps, const uint8_t* __restrict__ router,
     size_t row_bytes, float* logits, uint8_t* xq) {
@@ -738,7 +751,17 @@ __global__ void __launch_bounds__(kMvWarps * 32) residual_norm_router_kernel(
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nb = n / 256;
   const int64_t row = blockIdx.x;
   const uint8_t* wr = router + row * row_bytes;
-  prefetch_l2(wr, row_bytes, tid, kMvWarps * 32);
+  // (Experiment RowRegs: the row itself in registers before the wait, in float_row_partial's order.)
+  float4 rw[RowRegs ? kFoldRowVecs : 1];
+  if constexpr (RowRegs) {
+#pragma unroll
+    for (int j = 0; j < kFoldRowVecs; ++j) {
+      const int i = tid + kMvWarps * 32 * j;
+      rw[j] = i < n / 4 ? reinterpret_cast<const float4*>(wr)[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  } else {
+    prefetch_l2(wr, row_bytes, tid, kMvWarps * 32);
+  }
   float wv[2][kFoldMaxPerThread];  // (norm weights: never written, fetched before the wait)
 #pragma unroll
   for (int h = 0; h < 2; ++h)
@@ -773,7 +796,22 @@ __global__ void __launch_bounds__(kMvWarps * 32) residual_norm_router_kernel(
       if (u < nb) xn_sh[tid + 128 * h + 256 * u] = __fmul_rn(__fmul_rn(v[h][u], scale), wv[h][u]);
   __syncthreads();
   float acc[1];
-  float_row_partial<float, 1, true>(wr, reinterpret_cast<const uint8_t*>(xn_sh), 0, n, 1, tid, kMvWarps * 32, acc);
+  if constexpr (RowRegs) {
+    acc[0] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kFoldRowVecs; ++j) {
+      const int i = tid + kMvWarps * 32 * j;
+      if (i < n / 4) {
+        const float4 a4 = reinterpret_cast<const float4*>(xn_sh)[i];
+        acc[0] = __fmaf_rn(rw[j].x, a4.x, acc[0]);
+        acc[0] = __fmaf_rn(rw[j].y, a4.y, acc[0]);
+        acc[0] = __fmaf_rn(rw[j].z, a4.z, acc[0]);
+        acc[0] = __fmaf_rn(rw[j].w, a4.w, acc[0]);
+      }
+    }
+  } else {
+    float_row_partial<float, 1, true>(wr, reinterpret_cast<const uint8_t*>(xn_sh), 0, n, 1, tid, kMvWarps * 32, acc);
+  }
   const float d = warp_sum(acc[0]);
   if (lane == 0) dot_part[warp] = d;
   if (row < nb && warp == kMvWarps - 1)
@@ -793,11 +831,18 @@ __global__ void __launch_bounds__(kMvWarps * 32) residual_norm_router_kernel(
 // A CTA takes kCombineRows rows; warp j computes slot j's products for all of them (its loads in flight
 // together, the k experts' loads side by side in the k warps), then one thread per row combines.
 constexpr int kCombineRows = 4;
-template <DType T, int MAXK>
+template <DType T, int MAXK, bool Early>
 __global__ void __launch_bounds__(MAXK * 32) mmvq_combine_kernel(const MvArgs a, const float* __restrict__ wts, int k) {
   __shared__ float v[MAXK][kCombineRows];
+  __shared__ float wt_sh[MAXK];
   const int t = blockIdx.y, j = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kCombineRows;
+  // (Experiment Early, no slot map only: the choices and weights read before the wait are used after
+  // it too, for they are final by then: one dependent read fewer after the wait.)
+  int e_early = -1;
+  if constexpr (Early) {
+    if (!a.slot_of && threadIdx.x < k) wt_sh[threadIdx.x] = __ldcg(wts + t * k + threadIdx.x);
+  }
   // In decode the choices come from two kernels back (the experts' gate+up; the activations' Q8_K
   // between), so they are final by the time this kernel starts: each warp hints its expert's rows
   // into L2 while the kernel before runs. Only a hint (read through L2, range-checked, the real
@@ -805,6 +850,7 @@ __global__ void __launch_bounds__(MAXK * 32) mmvq_combine_kernel(const MvArgs a,
   // the H200, all-GPU decode: 404.4 / 404.3 tok/s with it, 398.5 / 399.6 without.
   if (!a.slot_of && j < k) {
     const int e = __ldcg(a.ids + t * k + j);
+    e_early = e;
     if (e >= 0 && e < a.n_mats)
       prefetch_l2(a.w + static_cast<size_t>(e) * a.mat_bytes + row0 * a.row_bytes,
                   (a.rows - row0 < kCombineRows ? a.rows - row0 : kCombineRows) * a.row_bytes, lane, 32);
@@ -812,7 +858,7 @@ __global__ void __launch_bounds__(MAXK * 32) mmvq_combine_kernel(const MvArgs a,
   pdl_enter();
   if (j < k) {
     const int slot = t * k + j;
-    const int e = a.ids[slot];
+    const int e = Early && !a.slot_of ? e_early : a.ids[slot];
     const int m = a.slot_of ? a.slot_of[e] : e < a.n_mats ? e : -1;
     if (m < 0) {  // not on the device (or no choice: NaN logits): the caller broke the contract; make it loud
       if (lane < kCombineRows) v[j][lane] = __int_as_float(0x7fc00000);
@@ -825,7 +871,7 @@ __global__ void __launch_bounds__(MAXK * 32) mmvq_combine_kernel(const MvArgs a,
   __syncthreads();
   const int r = threadIdx.x;
   if (r >= kCombineRows || row0 + r >= a.rows) return;
-  const float* wt = wts + static_cast<int64_t>(t) * k;
+  const float* wt = Early && !a.slot_of ? wt_sh : wts + static_cast<int64_t>(t) * k;
   float o = __fmul_rn(v[0][r], wt[0]);
   for (int i = 1; i < k; ++i) o = __fadd_rn(o, __fmul_rn(v[i][r], wt[i]));
   a.y[t * a.ld_y + row0 + r] = o;
@@ -2785,8 +2831,12 @@ void residual_norm_router(const float* x, const float* y, const float* w, int n,
     fail("residual_norm_router: an aligned F32 router of the rows' width only");
   if (router.rows < n / 256) fail("residual_norm_router: fewer router rows than Q8_K blocks to write");
   if (!aligned(xq, 4)) fail("residual_norm_router: the Q8_K rows must be 4-byte aligned");
-  launch(residual_norm_router_kernel, static_cast<unsigned>(router.rows), kMvWarps * 32, 0, cs(s), x, y, w, n, eps,
-         router.data, router.row_bytes, logits, static_cast<uint8_t*>(xq));
+  if (exp_switch("router_regs"))
+    launch(residual_norm_router_kernel<true>, static_cast<unsigned>(router.rows), kMvWarps * 32, 0, cs(s), x, y, w, n,
+           eps, router.data, router.row_bytes, logits, static_cast<uint8_t*>(xq));
+  else
+    launch(residual_norm_router_kernel<false>, static_cast<unsigned>(router.rows), kMvWarps * 32, 0, cs(s), x, y, w, n,
+           eps, router.data, router.row_bytes, logits, static_cast<uint8_t*>(xq));
   launched("residual_norm_router");
 }
 
@@ -2964,8 +3014,10 @@ void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_
   a.slot_of = slot_of;
   const dim3 grid(blocks_for(w.rows, kCombineRows), static_cast<unsigned>(n_tokens));
   const cudaStream_t st = cs(s);
+  const bool early = exp_switch("combine_early");
   with_quant_type(w.type, "matvec_experts_combine", [&](auto T) {
-    launch(mmvq_combine_kernel<decltype(T)::value, 8>, grid, 8 * 32, 0, st, a, wts, k);
+    if (early) launch(mmvq_combine_kernel<decltype(T)::value, 8, true>, grid, 8 * 32, 0, st, a, wts, k);
+    else launch(mmvq_combine_kernel<decltype(T)::value, 8, false>, grid, 8 * 32, 0, st, a, wts, k);
   });
   launched("matvec_experts_combine");
 }
