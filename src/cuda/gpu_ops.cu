@@ -1469,7 +1469,23 @@ __global__ void kv_store_v_kernel(T* __restrict__ v, const int32_t* __restrict__
 // query heads, then the n_head_kv key heads, then the n_head_kv value heads), RMSNorm of the head with
 // its weight and NeoX RoPE for q and k (q in place, k into the cache), and v into the cache. The same
 // arithmetic as rms_norm_kernel + rope_neox_kernel + kv_store_*_kernel, so the bits are the same.
-template <typename T>
+// hv = rms_norm(src) * w over hd values with the block's threads (rms_norm_kernel's sums).
+__device__ __forceinline__ void qk_norm_into(const float* src, const float* w, float* hv, int hd, float eps,
+                                             double* part) {
+  const int tid = threadIdx.x;
+  double s = 0;
+  for (int i = tid; i < hd; i += blockDim.x) {
+    const float x = src[i];
+    s += static_cast<double>(__fmul_rn(x, x));
+  }
+  const float scale = block_rms_scale(s, hd, eps, part);
+  for (int i = tid; i < hd; i += blockDim.x) {
+    const float x = __fmul_rn(src[i], scale);
+    hv[i] = w ? __fmul_rn(x, w[i]) : x;
+  }
+}
+
+template <typename T, bool Pre>
 __global__ void qk_norm_rope_store_kernel(float* q, int64_t ld_q, const float* __restrict__ k, int64_t ld_k,
                                           const float* __restrict__ v, int64_t ld_v, const float* __restrict__ q_norm,
                                           const float* __restrict__ k_norm, T* __restrict__ kc, T* __restrict__ vc,
@@ -1486,6 +1502,10 @@ __global__ void qk_norm_rope_store_kernel(float* q, int64_t ld_q, const float* _
   // chain of products and a double-precision sincos per pair, 1.6% of all-GPU decode when it came after
   // the wait: 405.2 against 410.9 tok/s on the H200).
   if (h < n_head + n_head_kv) rope_table(tab, p, half, theta_scale, freq_scale);
+  // (Experiment Pre: the head's norm weight fetched before the wait too, and each element loaded once.)
+  const bool one_each = Pre && hd <= static_cast<int>(blockDim.x);
+  const float* w_pre = h < n_head ? q_norm : k_norm;
+  const float wpre = one_each && h < n_head + n_head_kv && w_pre && tid < hd ? w_pre[tid] : 1.0f;
   pdl_enter();
   if (h >= n_head + n_head_kv) {  // a value head: straight into the transposed cache
     const int g = h - n_head - n_head_kv;
@@ -1497,15 +1517,15 @@ __global__ void qk_norm_rope_store_kernel(float* q, int64_t ld_q, const float* _
   const int g = is_q ? h : h - n_head;
   const float* src = is_q ? q + t * ld_q + static_cast<int64_t>(g) * hd : k + t * ld_k + static_cast<int64_t>(g) * hd;
   const float* w = is_q ? q_norm : k_norm;
-  double s = 0;
-  for (int i = tid; i < hd; i += blockDim.x) {
-    const float x = src[i];
-    s += static_cast<double>(__fmul_rn(x, x));
-  }
-  const float scale = block_rms_scale(s, hd, eps, part);
-  for (int i = tid; i < hd; i += blockDim.x) {
-    const float x = __fmul_rn(src[i], scale);
-    hv[i] = w ? __fmul_rn(x, w[i]) : x;
+  if (one_each) {
+    const float x = tid < hd ? src[tid] : 0.0f;
+    const float scale = block_rms_scale(tid < hd ? static_cast<double>(__fmul_rn(x, x)) : 0.0, hd, eps, part);
+    if (tid < hd) {
+      const float xs = __fmul_rn(x, scale);
+      hv[tid] = w ? __fmul_rn(xs, wpre) : xs;
+    }
+  } else {
+    qk_norm_into(src, w, hv, hd, eps, part);
   }
   __syncthreads();  // (hv, and the table)
   for (int i = tid; i < hd; i += blockDim.x) {
@@ -3167,12 +3187,15 @@ void qk_norm_rope_store(float* q, int64_t ld_q, const float* k, int64_t ld_k, co
   const dim3 grid(static_cast<unsigned>(n_head + 2 * n_head_kv), static_cast<unsigned>(n_tokens));
   const size_t smem = static_cast<size_t>(head_dim + n_rot) * sizeof(float);
   const cudaStream_t st = cs(s);
+  const bool pre = exp_switch("qk_pre");
   if (kv.type == DType::F16)
-    launch(qk_norm_rope_store_kernel<__half>, grid, kNormThreads, smem, st,
+    launch(pre ? qk_norm_rope_store_kernel<__half, true> : qk_norm_rope_store_kernel<__half, false>, grid,
+        kNormThreads, smem, st,
         q, ld_q, k, ld_k, v, ld_v, q_norm, k_norm, reinterpret_cast<__half*>(kv.k), reinterpret_cast<__half*>(kv.v),
         kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, theta_scale, freq_scale, eps);
   else if (kv.type == DType::F32)
-    launch(qk_norm_rope_store_kernel<float>, grid, kNormThreads, smem, st,
+    launch(pre ? qk_norm_rope_store_kernel<float, true> : qk_norm_rope_store_kernel<float, false>, grid,
+        kNormThreads, smem, st,
         q, ld_q, k, ld_k, v, ld_v, q_norm, k_norm, reinterpret_cast<float*>(kv.k), reinterpret_cast<float*>(kv.v),
         kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, theta_scale, freq_scale, eps);
   else
