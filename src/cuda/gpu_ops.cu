@@ -104,17 +104,6 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaS
   (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
-// Experimental switches for A/B measurements on the GPU machine (FITMOE_EXP=name1,name2; the engine's
-// own are in qwen3_gpu.cpp): a change stays only when measured faster, and then without its switch.
-bool exp_switch(const char* name) {
-  static const std::string list = [] {
-    std::string v = std::getenv("FITMOE_EXP") ? std::getenv("FITMOE_EXP") : "";
-    std::replace(v.begin(), v.end(), ',', ' ');
-    return " " + v + " ";
-  }();
-  return list.find(" " + std::string(name) + " ") != std::string::npos;
-}
-
 // ================================ device-side helpers =============================================
 
 // (pdl_enter, the acquire / release flags and counters, poll_pause and prefetch_l2 are in cuda/sync.cuh.)
@@ -741,7 +730,6 @@ __device__ __forceinline__ float block_rms_scale(double s, int n, float eps, dou
 // router per layer.
 constexpr int kFoldMaxPerThread = 16;  // n <= 16 * 256
 constexpr int kFoldRowVecs = kFoldMaxPerThread * 256 / 4 / (kMvWarps * 32);  // float4s of the row per thread
-template <bool RowRegs>
 __global__ void __launch_bounds__(kMvWarps * 32) residual_norm_router_kernel(
     const float* x, const float* y, const float* __restrict__ w, int n, float eps, const uint8_t* __restrict__ router,
     size_t row_bytes, float* logits, uint8_t* xq) {
@@ -751,16 +739,14 @@ __global__ void __launch_bounds__(kMvWarps * 32) residual_norm_router_kernel(
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nb = n / 256;
   const int64_t row = blockIdx.x;
   const uint8_t* wr = router + row * row_bytes;
-  // (Experiment RowRegs: the row itself in registers before the wait, in float_row_partial's order.)
-  float4 rw[RowRegs ? kFoldRowVecs : 1];
-  if constexpr (RowRegs) {
+  // The row itself goes into registers before the wait (it is never written), in float_row_partial's
+  // order: after the wait only the norm's loads are left. Measured on the H200, all-GPU decode: 426.2 /
+  // 426.2 tok/s, against 420.4 / 422.5 with an L2 hint before the wait and the loads after the norm.
+  float4 rw[kFoldRowVecs];
 #pragma unroll
-    for (int j = 0; j < kFoldRowVecs; ++j) {
-      const int i = tid + kMvWarps * 32 * j;
-      rw[j] = i < n / 4 ? reinterpret_cast<const float4*>(wr)[i] : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-  } else {
-    prefetch_l2(wr, row_bytes, tid, kMvWarps * 32);
+  for (int j = 0; j < kFoldRowVecs; ++j) {
+    const int i = tid + kMvWarps * 32 * j;
+    rw[j] = i < n / 4 ? reinterpret_cast<const float4*>(wr)[i] : make_float4(0.f, 0.f, 0.f, 0.f);
   }
   float wv[2][kFoldMaxPerThread];  // (norm weights: never written, fetched before the wait)
 #pragma unroll
@@ -795,24 +781,19 @@ __global__ void __launch_bounds__(kMvWarps * 32) residual_norm_router_kernel(
     for (int u = 0; u < kFoldMaxPerThread; ++u)
       if (u < nb) xn_sh[tid + 128 * h + 256 * u] = __fmul_rn(__fmul_rn(v[h][u], scale), wv[h][u]);
   __syncthreads();
-  float acc[1];
-  if constexpr (RowRegs) {
-    acc[0] = 0.0f;
+  float acc = 0.0f;
 #pragma unroll
-    for (int j = 0; j < kFoldRowVecs; ++j) {
-      const int i = tid + kMvWarps * 32 * j;
-      if (i < n / 4) {
-        const float4 a4 = reinterpret_cast<const float4*>(xn_sh)[i];
-        acc[0] = __fmaf_rn(rw[j].x, a4.x, acc[0]);
-        acc[0] = __fmaf_rn(rw[j].y, a4.y, acc[0]);
-        acc[0] = __fmaf_rn(rw[j].z, a4.z, acc[0]);
-        acc[0] = __fmaf_rn(rw[j].w, a4.w, acc[0]);
-      }
+  for (int j = 0; j < kFoldRowVecs; ++j) {
+    const int i = tid + kMvWarps * 32 * j;
+    if (i < n / 4) {
+      const float4 a4 = reinterpret_cast<const float4*>(xn_sh)[i];
+      acc = __fmaf_rn(rw[j].x, a4.x, acc);
+      acc = __fmaf_rn(rw[j].y, a4.y, acc);
+      acc = __fmaf_rn(rw[j].z, a4.z, acc);
+      acc = __fmaf_rn(rw[j].w, a4.w, acc);
     }
-  } else {
-    float_row_partial<float, 1, true>(wr, reinterpret_cast<const uint8_t*>(xn_sh), 0, n, 1, tid, kMvWarps * 32, acc);
   }
-  const float d = warp_sum(acc[0]);
+  const float d = warp_sum(acc);
   if (lane == 0) dot_part[warp] = d;
   if (row < nb && warp == kMvWarps - 1)
     quantize_q8k_block(xn_sh + 256 * row, xq + static_cast<size_t>(row) * 292, lane);
@@ -831,23 +812,21 @@ __global__ void __launch_bounds__(kMvWarps * 32) residual_norm_router_kernel(
 // A CTA takes kCombineRows rows; warp j computes slot j's products for all of them (its loads in flight
 // together, the k experts' loads side by side in the k warps), then one thread per row combines.
 constexpr int kCombineRows = 4;
-template <DType T, int MAXK, bool Early>
+template <DType T, int MAXK>
 __global__ void __launch_bounds__(MAXK * 32) mmvq_combine_kernel(const MvArgs a, const float* __restrict__ wts, int k) {
   __shared__ float v[MAXK][kCombineRows];
   __shared__ float wt_sh[MAXK];
   const int t = blockIdx.y, j = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kCombineRows;
-  // (Experiment Early, no slot map only: the choices and weights read before the wait are used after
-  // it too, for they are final by then: one dependent read fewer after the wait.)
-  int e_early = -1;
-  if constexpr (Early) {
-    if (!a.slot_of && threadIdx.x < k) wt_sh[threadIdx.x] = __ldcg(wts + t * k + threadIdx.x);
-  }
   // In decode the choices come from two kernels back (the experts' gate+up; the activations' Q8_K
-  // between), so they are final by the time this kernel starts: each warp hints its expert's rows
-  // into L2 while the kernel before runs. Only a hint (read through L2, range-checked, the real
-  // reads come after the wait), and only with the identity slot map (no dependent lookup). Measured on
-  // the H200, all-GPU decode: 404.4 / 404.3 tok/s with it, 398.5 / 399.6 without.
+  // between), so they are final by the time this kernel starts. With the identity slot map (no
+  // dependent lookup) each warp reads its choice (through L2) and hints its expert's rows into L2 while
+  // the kernel before runs, and the choices and weights read here serve after the wait too. Measured on
+  // the H200, all-GPU decode: the hint 404.4 / 404.3 tok/s against 398.5 / 399.6; the choices and
+  // weights kept, with two more reads moved before the waits (the folded router's row, the q/k norm
+  // weights), 425.0 / 430.0 against 420.4 / 422.5.
+  int e_early = -1;
+  if (!a.slot_of && threadIdx.x < k) wt_sh[threadIdx.x] = __ldcg(wts + t * k + threadIdx.x);
   if (!a.slot_of && j < k) {
     const int e = __ldcg(a.ids + t * k + j);
     e_early = e;
@@ -858,7 +837,7 @@ __global__ void __launch_bounds__(MAXK * 32) mmvq_combine_kernel(const MvArgs a,
   pdl_enter();
   if (j < k) {
     const int slot = t * k + j;
-    const int e = Early && !a.slot_of ? e_early : a.ids[slot];
+    const int e = a.slot_of ? a.ids[slot] : e_early;
     const int m = a.slot_of ? a.slot_of[e] : e < a.n_mats ? e : -1;
     if (m < 0) {  // not on the device (or no choice: NaN logits): the caller broke the contract; make it loud
       if (lane < kCombineRows) v[j][lane] = __int_as_float(0x7fc00000);
@@ -871,7 +850,7 @@ __global__ void __launch_bounds__(MAXK * 32) mmvq_combine_kernel(const MvArgs a,
   __syncthreads();
   const int r = threadIdx.x;
   if (r >= kCombineRows || row0 + r >= a.rows) return;
-  const float* wt = Early && !a.slot_of ? wt_sh : wts + static_cast<int64_t>(t) * k;
+  const float* wt = a.slot_of ? wts + static_cast<int64_t>(t) * k : wt_sh;
   float o = __fmul_rn(v[0][r], wt[0]);
   for (int i = 1; i < k; ++i) o = __fadd_rn(o, __fmul_rn(v[i][r], wt[i]));
   a.y[t * a.ld_y + row0 + r] = o;
@@ -1485,7 +1464,7 @@ __device__ __forceinline__ void qk_norm_into(const float* src, const float* w, f
   }
 }
 
-template <typename T, bool Pre>
+template <typename T>
 __global__ void qk_norm_rope_store_kernel(float* q, int64_t ld_q, const float* __restrict__ k, int64_t ld_k,
                                           const float* __restrict__ v, int64_t ld_v, const float* __restrict__ q_norm,
                                           const float* __restrict__ k_norm, T* __restrict__ kc, T* __restrict__ vc,
@@ -1502,8 +1481,9 @@ __global__ void qk_norm_rope_store_kernel(float* q, int64_t ld_q, const float* _
   // chain of products and a double-precision sincos per pair, 1.6% of all-GPU decode when it came after
   // the wait: 405.2 against 410.9 tok/s on the H200).
   if (h < n_head + n_head_kv) rope_table(tab, p, half, theta_scale, freq_scale);
-  // (Experiment Pre: the head's norm weight fetched before the wait too, and each element loaded once.)
-  const bool one_each = Pre && hd <= static_cast<int>(blockDim.x);
+  // The head's norm weight is fetched before the wait too, and each element loaded once (heads of up to
+  // blockDim.x values).
+  const bool one_each = hd <= static_cast<int>(blockDim.x);
   const float* w_pre = h < n_head ? q_norm : k_norm;
   const float wpre = one_each && h < n_head + n_head_kv && w_pre && tid < hd ? w_pre[tid] : 1.0f;
   pdl_enter();
@@ -2851,12 +2831,8 @@ void residual_norm_router(const float* x, const float* y, const float* w, int n,
     fail("residual_norm_router: an aligned F32 router of the rows' width only");
   if (router.rows < n / 256) fail("residual_norm_router: fewer router rows than Q8_K blocks to write");
   if (!aligned(xq, 4)) fail("residual_norm_router: the Q8_K rows must be 4-byte aligned");
-  if (exp_switch("router_regs"))
-    launch(residual_norm_router_kernel<true>, static_cast<unsigned>(router.rows), kMvWarps * 32, 0, cs(s), x, y, w, n,
-           eps, router.data, router.row_bytes, logits, static_cast<uint8_t*>(xq));
-  else
-    launch(residual_norm_router_kernel<false>, static_cast<unsigned>(router.rows), kMvWarps * 32, 0, cs(s), x, y, w, n,
-           eps, router.data, router.row_bytes, logits, static_cast<uint8_t*>(xq));
+  launch(residual_norm_router_kernel, static_cast<unsigned>(router.rows), kMvWarps * 32, 0, cs(s), x, y, w, n, eps,
+         router.data, router.row_bytes, logits, static_cast<uint8_t*>(xq));
   launched("residual_norm_router");
 }
 
@@ -3034,10 +3010,8 @@ void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_
   a.slot_of = slot_of;
   const dim3 grid(blocks_for(w.rows, kCombineRows), static_cast<unsigned>(n_tokens));
   const cudaStream_t st = cs(s);
-  const bool early = exp_switch("combine_early");
   with_quant_type(w.type, "matvec_experts_combine", [&](auto T) {
-    if (early) launch(mmvq_combine_kernel<decltype(T)::value, 8, true>, grid, 8 * 32, 0, st, a, wts, k);
-    else launch(mmvq_combine_kernel<decltype(T)::value, 8, false>, grid, 8 * 32, 0, st, a, wts, k);
+    launch(mmvq_combine_kernel<decltype(T)::value, 8>, grid, 8 * 32, 0, st, a, wts, k);
   });
   launched("matvec_experts_combine");
 }
@@ -3187,15 +3161,12 @@ void qk_norm_rope_store(float* q, int64_t ld_q, const float* k, int64_t ld_k, co
   const dim3 grid(static_cast<unsigned>(n_head + 2 * n_head_kv), static_cast<unsigned>(n_tokens));
   const size_t smem = static_cast<size_t>(head_dim + n_rot) * sizeof(float);
   const cudaStream_t st = cs(s);
-  const bool pre = exp_switch("qk_pre");
   if (kv.type == DType::F16)
-    launch(pre ? qk_norm_rope_store_kernel<__half, true> : qk_norm_rope_store_kernel<__half, false>, grid,
-        kNormThreads, smem, st,
+    launch(qk_norm_rope_store_kernel<__half>, grid, kNormThreads, smem, st,
         q, ld_q, k, ld_k, v, ld_v, q_norm, k_norm, reinterpret_cast<__half*>(kv.k), reinterpret_cast<__half*>(kv.v),
         kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, theta_scale, freq_scale, eps);
   else if (kv.type == DType::F32)
-    launch(pre ? qk_norm_rope_store_kernel<float, true> : qk_norm_rope_store_kernel<float, false>, grid,
-        kNormThreads, smem, st,
+    launch(qk_norm_rope_store_kernel<float>, grid, kNormThreads, smem, st,
         q, ld_q, k, ld_k, v, ld_v, q_norm, k_norm, reinterpret_cast<float*>(kv.k), reinterpret_cast<float*>(kv.v),
         kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, theta_scale, freq_scale, eps);
   else
