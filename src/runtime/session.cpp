@@ -29,11 +29,12 @@ Session::Session(const Model& model, const SessionOptions& opt)
   state_ = model.new_state(so);
 }
 
-std::vector<float> Session::eval(std::span<const int32_t> tokens, int n_logits) {
+const std::vector<float>& Session::eval(std::span<const int32_t> tokens, int n_logits) {
   const int n = static_cast<int>(tokens.size());
   const int n_vocab = model_.config().n_vocab;
   n_logits = std::clamp(n_logits, 0, n);
-  std::vector<float> logits(static_cast<size_t>(n_logits) * n_vocab);
+  std::vector<float>& logits = logits_;
+  logits.resize(static_cast<size_t>(n_logits) * n_vocab);  // (every row is written below)
   for (int b = 0; b < n; b += opt_.n_batch) {
     const int len = std::min(opt_.n_batch, n - b);
     // Rows of this batch that fall among the last n_logits positions.
@@ -60,18 +61,18 @@ std::vector<int32_t> Session::generate(std::span<const int32_t> prompt, int n_pr
   if (prompt.empty()) throw Error("generate needs at least one prompt token");
   const int n_vocab = model_.config().n_vocab;
   auto t0 = clock::now();
-  std::vector<float> logits = eval(prompt, 1);
+  const std::vector<float>* logits = &eval(prompt, 1);
   auto t1 = clock::now();
   double gen_seconds = 0;
   for (int i = 0; i < n_predict; ++i) {
-    int32_t tok = sampler.sample(logits.data(), n_vocab, history_);
+    int32_t tok = sampler.sample(logits->data(), n_vocab, history_);
     out.push_back(tok);
     bool go_on = on_token ? on_token(tok) : true;
     if (std::find(stop_tokens.begin(), stop_tokens.end(), tok) != stop_tokens.end()) break;
     if (!go_on || i + 1 == n_predict) break;
     if (n_past() >= n_ctx()) break;
     auto s = clock::now();
-    logits = eval(std::span<const int32_t>(&tok, 1), 1);
+    logits = &eval(std::span<const int32_t>(&tok, 1), 1);
     gen_seconds += std::chrono::duration<double>(clock::now() - s).count();
   }
   if (stats) {

@@ -38,8 +38,10 @@ class Session {
   int n_ctx() const { return state_->n_ctx(); }
 
   // Evaluates tokens in batches of at most n_batch; returns the logits of the last `n_logits`
-  // positions ([n_logits][n_vocab]). n_logits may exceed one batch.
-  std::vector<float> eval(std::span<const int32_t> tokens, int n_logits = 1);
+  // positions ([n_logits][n_vocab]). n_logits may exceed one batch. The vector is the session's own,
+  // overwritten by the next eval (copy it to keep it): a decode step then neither allocates nor clears
+  // a vocabulary-sized row.
+  const std::vector<float>& eval(std::span<const int32_t> tokens, int n_logits = 1);
 
   // Tokens whose K/V the state holds, in order (what eval() and generate() fed).
   const std::vector<int32_t>& history() const { return history_; }
@@ -58,6 +60,7 @@ class Session {
   ThreadPool pool_;
   std::unique_ptr<ModelState> state_;
   std::vector<int32_t> history_;
+  std::vector<float> logits_;  // what eval returns
 };
 
 }  // namespace fitmoe
