@@ -524,6 +524,23 @@ __global__ void __launch_bounds__(kMvWarps * 32) mmvq_kernel(const MvArgs a) {
   mmvq_rows<T, NT, R, GLU>(a, wm, wm2, row_bytes, acts, y, rows, ld_y, row0, lane);
 }
 
+// A dense mat-vec of one token over very many rows (the output head: 152k rows; experiment
+// FITMOE_EXP=rows_loop): a grid of as many CTAs as are resident at once, each warp taking rows gw,
+// gw + W, ... (W warps in all) and hinting its next row into L2 before computing the current one: no
+// CTA launches part way, every warp always has a row on its way.
+template <DType T>
+__global__ void __launch_bounds__(kMvWarps * 32) mmvq_rows_loop_kernel(const MvArgs a) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t W = static_cast<int64_t>(gridDim.x) * kMvWarps;
+  int64_t row = static_cast<int64_t>(blockIdx.x) * kMvWarps + warp;
+  if (row < a.rows) prefetch_l2(a.w + row * a.row_bytes, a.row_bytes, lane, 32);
+  pdl_enter();
+  for (; row < a.rows; row += W) {
+    if (row + W < a.rows) prefetch_l2(a.w + (row + W) * a.row_bytes, a.row_bytes, lane, 32);
+    mmvq_rows<T, 1, 1, false>(a, a.w, nullptr, a.row_bytes, a.acts, a.y, a.rows, a.ld_y, row, lane);
+  }
+}
+
 // Gated experts that route for themselves (see MvArgs::route_logits): one token, slot blockIdx.y, two
 // rows per warp as mmvq_kernel's gated form. Warp 0 makes the choices (the other warps would take as
 // long to make them too) and hands the slot's matrix over in shared memory. A kernel of its own, held
@@ -859,6 +876,19 @@ __global__ void __launch_bounds__(MAXK * 32) mmvq_combine_kernel(const MvArgs a,
 template <DType T, int NT, DType T2 = T>
 void launch_mvq_nt(const MvArgs& a0, unsigned n_slots, cudaStream_t s) {
   constexpr int R = NT == 1 ? 1 : 2;
+  if constexpr (NT == 1 && T2 == T) {
+    static const bool loop = [] {
+      std::string v = std::getenv("FITMOE_EXP") ? std::getenv("FITMOE_EXP") : "";
+      std::replace(v.begin(), v.end(), ',', ' ');
+      return (" " + v + " ").find(" rows_loop ") != std::string::npos;
+    }();
+    if (loop && !a0.ids && !a0.n_seg && n_slots == 1 && a0.rows >= 65536) {
+      const auto k = mmvq_rows_loop_kernel<T>;
+      const int ctas = resident_ctas(reinterpret_cast<const void*>(k), kMvWarps * 32, 0, "matvec");
+      launch(k, static_cast<unsigned>(std::min<int64_t>(ctas, blocks_for(a0.rows, kMvWarps))), kMvWarps * 32, 0, s, a0);
+      return;
+    }
+  }
   MvArgs a = a0;
   unsigned ctas = blocks_for(a.rows, kMvWarps * R);
   if (a.n_seg) {
