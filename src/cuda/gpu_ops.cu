@@ -1523,77 +1523,6 @@ __global__ void qk_norm_rope_store_kernel(float* q, int64_t ld_q, const float* _
   }
 }
 
-// The attention block's input side for one token in one launch (experiment FITMOE_EXP=qkv_rope): CTA h
-// computes head h's rows of q, k or v (q heads, then k heads, then v heads; each head's rows are
-// contiguous in its matrix), exactly as matvec_multi does, into shared memory, then does what
-// qk_norm_rope_store_kernel does with them (the q/k norm with the same sums: the warps past the head
-// add zeros; RoPE from the table made before the wait; the stores). One launch fewer per layer, and
-// the mat-vec's rows spread over n_head + 2 n_head_kv CTAs of kQkvWarps warps.
-constexpr int kQkvWarps = 16, kQkvRows = 4, kQkvMaxHd = 256;
-struct QkvArgs {
-  const uint8_t *wq, *wk, *wv;
-  size_t rb_q, rb_k, rb_v;
-  MvArgs mv;  // n_tokens 1, cols, act_stride: what mmvq_rows reads
-  const uint8_t* acts;
-  float* q;
-  const float *q_norm, *k_norm;
-  void *kc, *vc;
-  int n_ctx;
-  const int32_t* pos;
-  int n_head, n_head_kv, hd, hdv, n_rot;
-  float theta_scale, freq_scale, eps;
-};
-template <DType TQ, DType TV, typename C>
-__global__ void __launch_bounds__(kQkvWarps * 32) qkv_rope_kernel(const QkvArgs a) {
-  __shared__ float hv[kQkvMaxHd], tab[kQkvMaxHd];
-  __shared__ double part[32];
-  const int h = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const bool is_q = h < a.n_head, is_v = h >= a.n_head + a.n_head_kv;
-  const int g = is_q ? h : is_v ? h - a.n_head - a.n_head_kv : h - a.n_head;
-  const int rows = is_v ? a.hdv : a.hd;
-  const size_t rb = is_q ? a.rb_q : is_v ? a.rb_v : a.rb_k;
-  const uint8_t* wm = (is_q ? a.wq : is_v ? a.wv : a.wk) + static_cast<size_t>(g) * rows * rb;
-  const int p = a.pos[0];  // (the position is copied before the step's first kernel)
-  prefetch_l2(wm, static_cast<size_t>(rows) * rb, tid, kQkvWarps * 32);
-  const int half = a.n_rot / 2;
-  if (!is_v) rope_table(tab, p, half, a.theta_scale, a.freq_scale);
-  const float* w = is_q ? a.q_norm : a.k_norm;
-  const float wpre = !is_v && w && tid < a.hd ? w[tid] : 1.0f;
-  pdl_enter();
-  for (int r0 = warp * kQkvRows; r0 < rows; r0 += kQkvWarps * kQkvRows) {
-    if (is_v) mmvq_rows<TV, 1, kQkvRows, false>(a.mv, wm, nullptr, rb, a.acts, hv, rows, 0, r0, lane);
-    else mmvq_rows<TQ, 1, kQkvRows, false>(a.mv, wm, nullptr, rb, a.acts, hv, rows, 0, r0, lane);
-  }
-  __syncthreads();
-  if (is_v) {
-    C* vc = static_cast<C*>(a.vc);
-    for (int i = tid; i < a.hdv; i += blockDim.x)
-      vc[static_cast<int64_t>(g * a.hdv + i) * a.n_ctx + p] = to_cache<C>(hv[i]);
-    return;
-  }
-  const float x = tid < a.hd ? hv[tid] : 0.0f;
-  const float scale = block_rms_scale(tid < a.hd ? static_cast<double>(__fmul_rn(x, x)) : 0.0, a.hd, a.eps, part);
-  if (tid < a.hd) {
-    const float xs = __fmul_rn(x, scale);
-    hv[tid] = w ? __fmul_rn(xs, wpre) : xs;  // (each thread rewrites only its own element)
-  }
-  __syncthreads();
-  if (tid < a.hd) {
-    const int i = tid;
-    float o;
-    if (i < half) {
-      o = __fsub_rn(__fmul_rn(hv[i], tab[i]), __fmul_rn(hv[i + half], tab[half + i]));
-    } else if (i < a.n_rot) {
-      const int j = i - half;
-      o = __fadd_rn(__fmul_rn(hv[j], tab[half + j]), __fmul_rn(hv[i], tab[j]));
-    } else {
-      o = hv[i];
-    }
-    if (is_q) a.q[static_cast<int64_t>(g) * a.hd + i] = o;
-    else static_cast<C*>(a.kc)[static_cast<int64_t>(p) * a.n_head_kv * a.hd + static_cast<int64_t>(g) * a.hd + i] = to_cache<C>(o);
-  }
-}
-
 // ================================ attention =======================================================
 
 struct AttnArgs {
@@ -3243,38 +3172,6 @@ void qk_norm_rope_store(float* q, int64_t ld_q, const float* k, int64_t ld_k, co
   else
     fail(std::string("qk_norm_rope_store: unsupported cache type ") + tname(kv.type));
   launched("qk_norm_rope_store");
-}
-
-bool qkv_rope(const DevMatrix& wq, const DevMatrix& wk, const DevMatrix& wv, const void* acts, float* q,
-              const float* q_norm, const float* k_norm, const DevKv& kv, const int32_t* pos, int n_head, int n_head_kv,
-              int head_dim, int head_dim_v, int n_rot, float base, float freq_scale, float eps, Stream s) {
-  for (const DevMatrix* m : {&wq, &wk, &wv}) check_weight(*m, "qkv_rope");
-  if (wq.type != wk.type || is_float_type(wq.type) || is_float_type(wv.type) ||
-      dtype_info(wq.type).act_type != DType::Q8_K || dtype_info(wv.type).act_type != DType::Q8_K ||
-      wk.cols != wq.cols || wv.cols != wq.cols || wq.rows != static_cast<int64_t>(n_head) * head_dim ||
-      wk.rows != static_cast<int64_t>(n_head_kv) * head_dim || wv.rows != static_cast<int64_t>(n_head_kv) * head_dim_v ||
-      head_dim > kQkvMaxHd || head_dim_v > kQkvMaxHd || n_rot <= 0 || n_rot % 2 != 0 || n_rot > head_dim ||
-      (kv.type != DType::F16 && kv.type != DType::F32))
-    return false;
-  QkvArgs a{};
-  a.mv = mv_args(wq, acts, 1, q, wq.rows, "qkv_rope");
-  a.wq = wq.data, a.wk = wk.data, a.wv = wv.data;
-  a.rb_q = wq.row_bytes, a.rb_k = wk.row_bytes, a.rb_v = wv.row_bytes;
-  a.acts = static_cast<const uint8_t*>(acts);
-  a.q = q, a.q_norm = q_norm, a.k_norm = k_norm, a.kc = kv.k, a.vc = kv.v, a.n_ctx = kv.n_ctx, a.pos = pos;
-  a.n_head = n_head, a.n_head_kv = n_head_kv, a.hd = head_dim, a.hdv = head_dim_v, a.n_rot = n_rot;
-  a.theta_scale = std::pow(base, -2.0f / static_cast<float>(n_rot)), a.freq_scale = freq_scale, a.eps = eps;
-  const unsigned grid = static_cast<unsigned>(n_head + 2 * n_head_kv);
-  const cudaStream_t st = cs(s);
-  bool done = false;
-  auto go = [&](auto kern) { launch(kern, grid, kQkvWarps * 32, 0, st, a); done = true; };
-  const bool f16 = kv.type == DType::F16;
-  if (wq.type == DType::Q4_K && wv.type == DType::Q6_K) f16 ? go(qkv_rope_kernel<DType::Q4_K, DType::Q6_K, __half>) : go(qkv_rope_kernel<DType::Q4_K, DType::Q6_K, float>);
-  else if (wq.type == DType::Q4_K && wv.type == DType::Q4_K) f16 ? go(qkv_rope_kernel<DType::Q4_K, DType::Q4_K, __half>) : go(qkv_rope_kernel<DType::Q4_K, DType::Q4_K, float>);
-  else if (wq.type == DType::Q6_K && wv.type == DType::Q6_K) f16 ? go(qkv_rope_kernel<DType::Q6_K, DType::Q6_K, __half>) : go(qkv_rope_kernel<DType::Q6_K, DType::Q6_K, float>);
-  else if (wq.type == DType::Q5_K && wv.type == DType::Q6_K) f16 ? go(qkv_rope_kernel<DType::Q5_K, DType::Q6_K, __half>) : go(qkv_rope_kernel<DType::Q5_K, DType::Q6_K, float>);
-  if (done) launched("qkv_rope");
-  return done;
 }
 
 void kv_store(const DevKv& kv, const int32_t* pos, int n_tokens, const float* k, int64_t ld_k, const float* v,

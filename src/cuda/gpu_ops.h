@@ -159,12 +159,6 @@ void qk_norm_rope_store(float* q, int64_t ld_q, const float* k, int64_t ld_k, co
                         const float* q_norm, const float* k_norm, const DevKv& kv, const int32_t* pos, int n_tokens,
                         int n_head, int n_head_kv, int head_dim, int head_dim_v, int n_rot, float base,
                         float freq_scale, float eps, Stream s);
-// q, k, v for one token and then qk_norm_rope_store's work on them, in one launch (experiment): the
-// same bits in q and in both caches (q, k of one K-quant type, v of one, Q8_K activations). Returns
-// false, doing nothing, where it does not apply (the caller then takes the two-launch path).
-bool qkv_rope(const DevMatrix& wq, const DevMatrix& wk, const DevMatrix& wv, const void* acts, float* q,
-              const float* q_norm, const float* k_norm, const DevKv& kv, const int32_t* pos, int n_head, int n_head_kv,
-              int head_dim, int head_dim_v, int n_rot, float base, float freq_scale, float eps, Stream s);
 // Causal attention of n_tokens queries at positions pos0 .. pos0 + n_tokens - 1 (pos0 on the host so
 // the launch can size itself; a graph-captured decode passes n_kv_max and reads the real position
 // from pos_dev[0]). Decode (n_tokens <= 8) needs `scratch` of attention_scratch_bytes, zero-filled once

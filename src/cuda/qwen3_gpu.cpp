@@ -221,17 +221,6 @@ bool route_in_experts() {
   return on;
 }
 
-// Experimental switches for A/B measurements on the GPU machine (FITMOE_EXP=name1,name2): a change
-// stays only when measured faster, and then without its switch.
-bool exp_on(const char* name) {
-  static const std::string list = [] {
-    std::string v = std::getenv("FITMOE_EXP") ? std::getenv("FITMOE_EXP") : "";
-    std::replace(v.begin(), v.end(), ',', ' ');
-    return " " + v + " ";
-  }();
-  return list.find(" " + std::string(name) + " ") != std::string::npos;
-}
-
 // Where a decode step's GPU time goes (FITMOE_PROFILE=1): graphs are off, each profiled step is queued
 // behind a busy-wait so the GPU runs it back to back, and an event after every op gives the op's own
 // time. Printed per op name (mean per step) to stderr when the model is unloaded.
@@ -681,21 +670,11 @@ class Qwen3Gpu final : public GpuRunner {
     GLayer& G = layers_[l];
     const int E = c.n_embd, hd = c.head_dim, hdv = c.head_dim_v;
     const int qw = c.n_head * hd, kw = c.n_head_kv * hd, vw = c.n_head_kv * hdv, aw = c.n_head * hdv;
-    // Experiment (FITMOE_EXP=qkv_rope): one token's q, k, v and their norm + RoPE + store in one launch.
-    const bool fused = nt == 1 && exp_on("qkv_rope") && G.wq.on_gpu() && G.wk.on_gpu() && G.wv.on_gpu() &&
-                       st.xn_q_valid && dtype_info(G.wq.dev.type).act_type == DType::Q8_K &&
-                       gpu::qkv_rope(G.wq.dev, G.wk.dev, G.wv.dev, st.xn_q, st.q, G.q_norm, G.k_norm, st.kv[l], st.pos,
-                                     c.n_head, c.n_head_kv, hd, hdv, c.n_rot, c.rope_base, c.rope_freq_scale,
-                                     c.rms_eps, stream_);
-    if (fused) {
-      prof_.mark("q,k,v + q/k norm + rope + kv store", stream_);
-    } else {
-      linear_shared(st, pool, {{&G.wq, st.q, qw}, {&G.wk, st.k, kw}, {&G.wv, st.v, vw}}, st.xn, nt);
-      prof_.mark("attn q,k,v", stream_);
-      gpu::qk_norm_rope_store(st.q, qw, st.k, kw, st.v, vw, G.q_norm, G.k_norm, st.kv[l], st.pos, nt, c.n_head,
-                              c.n_head_kv, hd, hdv, c.n_rot, c.rope_base, c.rope_freq_scale, c.rms_eps, stream_);
-      prof_.mark("q/k norm + rope + kv store", stream_);
-    }
+    linear_shared(st, pool, {{&G.wq, st.q, qw}, {&G.wk, st.k, kw}, {&G.wv, st.v, vw}}, st.xn, nt);
+    prof_.mark("attn q,k,v", stream_);
+    gpu::qk_norm_rope_store(st.q, qw, st.k, kw, st.v, vw, G.q_norm, G.k_norm, st.kv[l], st.pos, nt, c.n_head,
+                            c.n_head_kv, hd, hdv, c.n_rot, c.rope_base, c.rope_freq_scale, c.rms_eps, stream_);
+    prof_.mark("q/k norm + rope + kv store", stream_);
     // The decode kernel can hand wo its input in Q8_K (one quantize launch fewer).
     void* att_q = st.att_q && nt <= gpu::kMaxVecTokens && G.wo.on_gpu() &&
                           dtype_info(G.wo.dev.type).act_type == DType::Q8_K

@@ -1007,58 +1007,6 @@ TEST_F(GpuOps, ResidualNormRouterEqualsResidualNormAndMatvec) {
 
 // The fused attention prologue against rms_norm + rope_neox + kv_store on copies: the same bits in q
 // and in both caches, nothing else of the cache written.
-// q, k, v and their norm + RoPE + store in one launch: the bits of matvec_multi + qk_norm_rope_store
-// in q and in both caches (untouched cache rows stay poisoned), for the type pairs it takes, both cache
-// types, two head sizes and a partial rotation; a pair it does not take is refused (false).
-TEST_F(GpuOps, QkvRopeEqualsMatvecMultiAndQkNormRopeStore) {
-  const int n_head = 8, n_head_kv = 2, n_ctx = 64, p = 37;
-  const int64_t cols = 512;
-  auto d_pos = upload(std::vector<int32_t>{p});
-  const std::vector<std::array<DType, 2>> pairs = {{DType::Q4_K, DType::Q6_K}, {DType::Q4_K, DType::Q4_K},
-                                                   {DType::Q6_K, DType::Q6_K}, {DType::Q5_K, DType::Q6_K}};
-  for (const auto& tp : pairs)
-    for (DType cache : {DType::F16, DType::F32})
-      for (int hd : {128, 64})
-        for (int n_rot : {hd, hd / 2}) {
-          SCOPED_TRACE(std::string(dtype_name(tp[0])) + "/" + dtype_name(tp[1]) + (cache == DType::F16 ? " f16" : " f32") +
-                       " hd " + std::to_string(hd) + " n_rot " + std::to_string(n_rot));
-          const int qw = n_head * hd, kw = n_head_kv * hd;
-          HostMatrix hq = random_matrix(tp[0], qw, cols, 1, 341), hk = random_matrix(tp[0], kw, cols, 1, 342),
-                     hv = random_matrix(tp[1], kw, cols, 1, 343);
-          auto dq = upload(hq.data), dk = upload(hk.data), dv = upload(hv.data);
-          DevMatrix mq = dev_matrix(hq, *dq), mk = dev_matrix(hk, *dk), mv = dev_matrix(hv, *dv);
-          auto acts = upload(host_acts(DType::Q8_K, randn(cols, 344, 0.5f), cols, 1));
-          auto dqn = upload(randn(hd, 345)), dkn = upload(randn(hd, 346));
-          const size_t es = cache == DType::F16 ? 2 : 4;
-          Dev kc_f(static_cast<size_t>(n_ctx) * kw * es), vc_f(static_cast<size_t>(n_ctx) * kw * es);
-          Dev kc_r(static_cast<size_t>(n_ctx) * kw * es), vc_r(static_cast<size_t>(n_ctx) * kw * es);
-          DevKv kv_f{cache, kc_f.bytes(), vc_f.bytes(), n_ctx}, kv_r{cache, kc_r.bytes(), vc_r.bytes(), n_ctx};
-          Dev q_f(static_cast<size_t>(qw) * 4), q_r(static_cast<size_t>(qw) * 4), k_r(static_cast<size_t>(kw) * 4),
-              v_r(static_cast<size_t>(kw) * 4);
-          ASSERT_TRUE(qkv_rope(mq, mk, mv, acts->as(), q_f.as<float>(), dqn->as<float>(), dkn->as<float>(), kv_f,
-                               d_pos->as<int32_t>(), n_head, n_head_kv, hd, hd, n_rot, 1000000.0f, 1.0f, 1e-6f, s()));
-          const DevMatrix* ws[3] = {&mq, &mk, &mv};
-          float* ys[3] = {q_r.as<float>(), k_r.as<float>(), v_r.as<float>()};
-          const int64_t lds[3] = {qw, kw, kw};
-          matvec_multi(ws, ys, lds, 3, acts->as(), 1, s());
-          qk_norm_rope_store(q_r.as<float>(), qw, k_r.as<float>(), kw, v_r.as<float>(), kw, dqn->as<float>(),
-                             dkn->as<float>(), kv_r, d_pos->as<int32_t>(), 1, n_head, n_head_kv, hd, hd, n_rot, 1000000.0f,
-                             1.0f, 1e-6f, s());
-          sync();
-          auto gq = q_f.down<float>(qw), rq = q_r.down<float>(qw);
-          for (int i = 0; i < qw; ++i) ASSERT_EQ(bits(gq[i]), bits(rq[i])) << "q at " << i;
-          ASSERT_EQ(kc_f.down<uint8_t>(kc_f.size()), kc_r.down<uint8_t>(kc_r.size())) << "K cache differs";
-          ASSERT_EQ(vc_f.down<uint8_t>(vc_f.size()), vc_r.down<uint8_t>(vc_r.size())) << "V cache differs";
-        }
-  HostMatrix h3 = random_matrix(DType::Q3_K, 8 * 128, cols, 1, 347), h3k = random_matrix(DType::Q3_K, 2 * 128, cols, 1, 348);
-  auto d3 = upload(h3.data), d3k = upload(h3k.data);
-  DevMatrix m3 = dev_matrix(h3, *d3), m3k = dev_matrix(h3k, *d3k);
-  Dev buf(1 << 20);
-  DevKv kv{DType::F16, buf.bytes(), buf.bytes(), 16};
-  EXPECT_FALSE(qkv_rope(m3, m3k, m3k, buf.as(), buf.as<float>(), nullptr, nullptr, kv, d_pos->as<int32_t>(), 8, 2, 128,
-                        128, 128, 1e6f, 1.0f, 1e-6f, s()));
-}
-
 TEST_F(GpuOps, QkNormRopeStoreEqualsTheUnfusedOps) {
   const int n_head = 8, n_head_kv = 2, n_ctx = 64;
   const std::vector<int32_t> pos = {3, 4, 5, 40, 63};
