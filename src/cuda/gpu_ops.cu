@@ -285,7 +285,7 @@ __device__ __forceinline__ void write_renormalised(float my_w, int my_i, int k, 
   const int lane = threadIdx.x & 31;
   const float w = renormalised(my_w, k);
   if (lane < k) {
-    ti[lane] = my_i;
+    ti[lane] = my_i == INT_MAX ? -1 : my_i;  // (no choice, which NaN logits leave: -1, never an index)
     tw[lane] = w;
   }
 }
@@ -396,7 +396,7 @@ __device__ __forceinline__ bool mv_slot(const MvArgs& a, const uint8_t*& wm, con
   if (a.ids) {
     const int j = blockIdx.y;
     const int e = a.ids[j];
-    const int m = a.slot_of ? a.slot_of[e] : e < a.n_mats ? e : -1;
+    const int m = e < 0 ? -1 : a.slot_of ? a.slot_of[e] : e < a.n_mats ? e : -1;
     if (m < 0) return false;
     wm += static_cast<size_t>(m) * a.mat_bytes;
     acts += static_cast<size_t>(a.act_row[j]) * a.act_stride;
@@ -838,7 +838,7 @@ __global__ void __launch_bounds__(MAXK * 32) mmvq_combine_kernel(const MvArgs a,
   if (j < k) {
     const int slot = t * k + j;
     const int e = a.slot_of ? a.ids[slot] : e_early;
-    const int m = a.slot_of ? a.slot_of[e] : e < a.n_mats ? e : -1;
+    const int m = e < 0 ? -1 : a.slot_of ? a.slot_of[e] : e < a.n_mats ? e : -1;
     if (m < 0) {  // not on the device (or no choice: NaN logits): the caller broke the contract; make it loud
       if (lane < kCombineRows) v[j][lane] = __int_as_float(0x7fc00000);
     } else {

@@ -221,6 +221,13 @@ bool route_in_experts() {
   return on;
 }
 
+// What the host says when the GPU's routing hands over no valid expert: -1 is what NaN router logits
+// leave (the softmax has no maximum), which comes from NaN or infinite weights or activations.
+std::string no_expert_message(int32_t e) {
+  if (e == -1) return "the router chose no expert: its logits are NaN (NaN or infinite weights or activations)";
+  return "router chose an expert out of range (" + std::to_string(e) + ")";
+}
+
 // Where a decode step's GPU time goes (FITMOE_PROFILE=1): graphs are off, each profiled step is queued
 // behind a busy-wait so the GPU runs it back to back, and an event after every op gives the op's own
 // time. Printed per op name (mean per step) to stderr when the model is unloaded.
@@ -822,7 +829,7 @@ class Qwen3Gpu final : public GpuRunner {
     std::vector<int32_t> tok, exp, slot;
     for (int j = 0; j < n_slots; ++j) {
       const int32_t e = st.h_ids[j];
-      if (e < 0 || e >= c_.n_expert) throw Error("router chose an expert out of range");
+      if (e < 0 || e >= c_.n_expert) throw Error(no_expert_message(e));
       // Host-resident, and not one the GPU computes itself.
       if (X.slot_of[e] < 0 && !(X.gpu_share() && st.h_gpu_slots[j] >= 0))
         tok.push_back(j / k), exp.push_back(e), slot.push_back(j);
@@ -1059,7 +1066,7 @@ class Qwen3Gpu final : public GpuRunner {
     std::vector<int32_t> count(NE + 1, 0);
     for (int j = 0; j < n_slots; ++j) {
       const int e = st.h_ids[j];
-      if (e < 0 || e >= NE) throw Error("router chose an expert out of range");
+      if (e < 0 || e >= NE) throw Error(no_expert_message(e));
       count[e + 1]++;
     }
     int32_t* h_off = st.h_idx;                 // [NE + 1]

@@ -178,14 +178,14 @@ TEST_F(GpuOps, MatvecExpertsSelectsMatricesAndSkipsHostExperts) {
     const size_t astride = row_bytes(act, n);
     // 6 experts, expert e in device matrix slot_of[e] (-1: in host memory)
     const std::vector<int32_t> slot_of = {2, -1, 0, 4, 1, 3};
-    const std::vector<int32_t> ids = {5, 1, 0, 3, 5, 2, 4};
-    const std::vector<int32_t> act_row = {0, 1, 1, 2, 0, 2, 1};
+    const std::vector<int32_t> ids = {5, 1, 0, 3, 5, 2, 4, -1};  // (-1: no choice; its row is left alone)
+    const std::vector<int32_t> act_row = {0, 1, 1, 2, 0, 2, 1, 0};
     const int n_slots = static_cast<int>(ids.size());
     auto d_slot = upload(slot_of);
     auto d_ids = upload(ids);
     auto d_row = upload(act_row);
     for (bool use_slot_of : {true, false}) {
-      std::vector<int32_t> ids_direct = {4, 0, 2, 3, 1, 4, 0};  // without slot_of: ids are matrix indices
+      std::vector<int32_t> ids_direct = {4, 0, 2, 3, 1, 4, 0, -1};  // without slot_of: ids are matrix indices
       auto d_ids_direct = upload(ids_direct);
       const int64_t ld_y = rows + 3;
       Dev dy(static_cast<size_t>(ld_y) * n_slots * sizeof(float));
@@ -196,7 +196,7 @@ TEST_F(GpuOps, MatvecExpertsSelectsMatricesAndSkipsHostExperts) {
       auto y = dy.down<float>(static_cast<size_t>(ld_y) * n_slots);
       int bad = 0;
       for (int j = 0; j < n_slots; ++j) {
-        const int m = use_slot_of ? slot_of[ids[j]] : ids_direct[j];
+        const int m = ids[j] < 0 ? -1 : use_slot_of ? slot_of[ids[j]] : ids_direct[j];
         for (int64_t r = 0; r < ld_y; ++r) {
           const float got = y[j * ld_y + r];
           if (m < 0 || r >= rows) {
@@ -298,6 +298,7 @@ TEST_F(GpuOps, MatvecExpertsGluRoutedEqualsRouteTopkThenGlu) {
           auto ya = y1.down<float>(static_cast<size_t>(k) * rows);
           if (variant == 2) {
             for (float v : ya) ASSERT_TRUE(std::isnan(v) && !is_poison(v)) << "NaN logits: every row NaN";
+            for (int j = 0; j < k; ++j) ASSERT_EQ(ia[j], -1) << "NaN logits: no choice is -1, choice " << j;
             continue;
           }
           std::vector<int32_t> act_row(k, 0);
@@ -590,6 +591,18 @@ TEST_F(GpuOps, MatvecExpertsCombineEqualsExpertsAndCombine) {
         sync();
         auto yn = y_none.down<float>(static_cast<size_t>(ld) * nt), yi = y_idm.down<float>(static_cast<size_t>(ld) * nt),
              yb = y_bad.down<float>(static_cast<size_t>(ld) * nt);
+        // With a slot map, "no choice" (-1, what the routing writes for NaN logits) gives NaN rows too,
+        // without reading the map.
+        std::vector<int32_t> none_ids = ids;
+        none_ids[1] = -1;
+        auto d_none = upload(none_ids);
+        Dev y_map_none(static_cast<size_t>(ld) * nt * 4);
+        matvec_experts_combine(m, d_none->as<int32_t>(), d_slot->as<int32_t>(), nt, k, acts->bytes(), wts->as<float>(),
+                               y_map_none.as<float>(), ld, s());
+        sync();
+        auto ymn = y_map_none.down<float>(static_cast<size_t>(ld) * nt);
+        for (int64_t r = 0; r < rows; ++r)
+          ASSERT_TRUE(std::isnan(ymn[r]) && !is_poison(ymn[r])) << "no choice with a map: row " << r;
         for (int tk = 0; tk < nt; ++tk)
           for (int64_t r = 0; r < rows; ++r) {
             ASSERT_EQ(bits(yn[tk * ld + r]), bits(yi[tk * ld + r])) << "no map: token " << tk << " row " << r;
