@@ -274,19 +274,15 @@ __device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
 
 // The end of a token's routing: choice j sits in lane j % 32 (my_w, my_i); the chosen weights are
 // summed in choice order (in double) and each lane writes its own choice, renormalised.
-__device__ __forceinline__ float renormalised(float my_w, int k) {
+__device__ __forceinline__ void write_renormalised(float my_w, int my_i, int k, int32_t* ti, float* tw) {
+  const int lane = threadIdx.x & 31;
   double ws = 0.0;
 #pragma unroll 8
   for (int j = 0; j < k; ++j) ws += static_cast<double>(__shfl_sync(kFull, my_w, j));  // (the shuffles overlap)
   const float s = fmaxf(static_cast<float>(ws), 6.103515625e-5f);
-  return __fdiv_rn(my_w, s);
-}
-__device__ __forceinline__ void write_renormalised(float my_w, int my_i, int k, int32_t* ti, float* tw) {
-  const int lane = threadIdx.x & 31;
-  const float w = renormalised(my_w, k);
   if (lane < k) {
     ti[lane] = my_i == INT_MAX ? -1 : my_i;  // (no choice, which NaN logits leave: -1, never an index)
-    tw[lane] = w;
+    tw[lane] = __fdiv_rn(my_w, s);
   }
 }
 
@@ -1483,9 +1479,9 @@ __global__ void qk_norm_rope_store_kernel(float* q, int64_t ld_q, const float* _
   if (h < n_head + n_head_kv) rope_table(tab, p, half, theta_scale, freq_scale);
   // The head's norm weight is fetched before the wait too, and each element loaded once (heads of up to
   // blockDim.x values).
-  const bool one_each = hd <= static_cast<int>(blockDim.x);
-  const float* w_pre = h < n_head ? q_norm : k_norm;
-  const float wpre = one_each && h < n_head + n_head_kv && w_pre && tid < hd ? w_pre[tid] : 1.0f;
+  const bool one_each = hd <= static_cast<int>(blockDim.x), is_q = h < n_head;
+  const float* w = is_q ? q_norm : k_norm;
+  const float wpre = one_each && h < n_head + n_head_kv && w && tid < hd ? w[tid] : 1.0f;
   pdl_enter();
   if (h >= n_head + n_head_kv) {  // a value head: straight into the transposed cache
     const int g = h - n_head - n_head_kv;
@@ -1493,10 +1489,8 @@ __global__ void qk_norm_rope_store_kernel(float* q, int64_t ld_q, const float* _
       vc[static_cast<int64_t>(g * hdv + i) * n_ctx + p] = to_cache<T>(v[t * ld_v + static_cast<int64_t>(g) * hdv + i]);
     return;
   }
-  const bool is_q = h < n_head;
   const int g = is_q ? h : h - n_head;
   const float* src = is_q ? q + t * ld_q + static_cast<int64_t>(g) * hd : k + t * ld_k + static_cast<int64_t>(g) * hd;
-  const float* w = is_q ? q_norm : k_norm;
   if (one_each) {
     const float x = tid < hd ? src[tid] : 0.0f;
     const float scale = block_rms_scale(tid < hd ? static_cast<double>(__fmul_rn(x, x)) : 0.0, hd, eps, part);
