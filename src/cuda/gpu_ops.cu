@@ -520,6 +520,68 @@ __global__ void __launch_bounds__(kMvWarps * 32) mmvq_kernel(const MvArgs a) {
   mmvq_rows<T, NT, R, GLU>(a, wm, wm2, row_bytes, acts, y, rows, ld_y, row0, lane);
 }
 
+// Weight rows staged in shared memory: n16 16-byte words from src (global, never written by a kernel)
+// to dst (shared), the warp's lanes strided. From compute capability 8.0 the copy is asynchronous
+// (cp.async, no registers held), so a kernel can start it before its PDL wait and collect it after
+// (stage_collect); before 8.0 it goes through registers.
+__device__ __forceinline__ void stage_rows(void* dst, const void* src, int n16, int lane) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  const char* s = static_cast<const char*>(src);
+  for (int i = lane; i < n16; i += 32)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d + 16u * i), "l"(s + 16 * static_cast<size_t>(i))
+                 : "memory");
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#else
+  const uint4* s = static_cast<const uint4*>(src);
+  uint4* d = static_cast<uint4*>(dst);
+  for (int i = lane; i < n16; i += 32) d[i] = s[i];
+#endif
+}
+// The warp's staged rows are in shared memory and visible to all its lanes.
+__device__ __forceinline__ void stage_collect() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+  __syncwarp();
+}
+
+// Dense quantized weights, one token, one row per warp, the row staged in shared memory before the
+// PDL wait (stage_rows): after the wait only the activations are read from global memory, and the
+// weights arrive in whole 16-byte words whatever the block layout (Q6_K's 210-byte blocks otherwise
+// take 18 word loads per part). Rows of a multiple of 16 bytes at 16-byte aligned bases (the launcher
+// checks); segments as mmvq_kernel.
+template <DType T, DType T2 = T>
+__global__ void __launch_bounds__(kMvWarps * 32) mmvq_staged_kernel(const MvArgs a, int stage_bytes) {
+  extern __shared__ __align__(16) uint8_t wsm[];
+  int sg = -1;
+  unsigned bx = blockIdx.x;
+  if (a.n_seg) {
+    sg = 0;
+    while (sg + 1 < a.n_seg && bx >= a.seg_cta[sg + 1]) ++sg;
+    bx -= a.seg_cta[sg];
+  }
+  const int64_t rows = sg >= 0 ? a.seg_rows[sg] : a.rows;
+  const size_t row_bytes = sg >= 0 ? a.seg_row_bytes[sg] : a.row_bytes;
+  const uint8_t* w = sg >= 0 ? a.seg_w[sg] : a.w;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(bx) * kMvWarps + warp;
+  uint8_t* mine = wsm + static_cast<size_t>(warp) * stage_bytes;
+  if (row < rows) stage_rows(mine, w + row * row_bytes, static_cast<int>(row_bytes / 16), lane);
+  pdl_enter();
+  if (row >= rows) return;
+  float* y = sg >= 0 ? a.seg_y[sg] : a.y;
+  const int64_t ld_y = sg >= 0 ? a.seg_ld[sg] : a.ld_y;
+  stage_collect();
+  if constexpr (T2 != T) {
+    if (sg >= 0 && a.seg_alt[sg]) {
+      mmvq_rows<T2, 1, 1, false>(a, mine, nullptr, row_bytes, a.acts, y + row, 1, ld_y, 0, lane);
+      return;
+    }
+  }
+  mmvq_rows<T, 1, 1, false>(a, mine, nullptr, row_bytes, a.acts, y + row, 1, ld_y, 0, lane);
+}
+
 // Gated experts that route for themselves (see MvArgs::route_logits): one token, slot blockIdx.y, two
 // rows per warp as mmvq_kernel's gated form. Warp 0 makes the choices (the other warps would take as
 // long to make them too) and hands the slot's matrix over in shared memory. A kernel of its own, held
@@ -852,6 +914,61 @@ __global__ void __launch_bounds__(MAXK * 32) mmvq_combine_kernel(const MvArgs a,
   a.y[t * a.ld_y + row0 + r] = o;
 }
 
+// The down + combine kernel with its rows staged (stage_rows): CTA of ROWS rows, warp j stages slot
+// j's ROWS rows before the wait (the choices are final by then: see mmvq_combine_kernel), computes
+// them four at a time after it, then one thread per row combines as mmvq_combine_kernel does. ROWS = 8
+// halves the CTAs of kCombineRows, so that a 2048-row down fits in one wave at two CTAs per SM. Only
+// without a slot map; ROWS rows of a multiple of 16 bytes at 16-byte aligned matrices.
+template <DType T, int MAXK, int ROWS>
+__global__ void __launch_bounds__(MAXK * 32, 2) mmvq_combine_staged_kernel(const MvArgs a, const float* __restrict__ wts,
+                                                                           int k, int stage_bytes) {
+  extern __shared__ __align__(16) uint8_t wsm[];
+  __shared__ float v[MAXK][ROWS];
+  __shared__ float wt_sh[MAXK];
+  const int t = blockIdx.y, j = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * ROWS;
+  uint8_t* mine = wsm + static_cast<size_t>(j) * stage_bytes;
+  if (threadIdx.x < k) wt_sh[threadIdx.x] = __ldcg(wts + t * k + threadIdx.x);
+  int e = -1;
+  if (j < k) {
+    e = __ldcg(a.ids + t * k + j);
+    if (e >= 0 && e < a.n_mats)
+      stage_rows(mine, a.w + static_cast<size_t>(e) * a.mat_bytes + row0 * a.row_bytes,
+                 static_cast<int>(ROWS * a.row_bytes / 16), lane);
+  }
+  pdl_enter();
+  if (j < k) {
+    if (e < 0 || e >= a.n_mats) {  // no choice (NaN logits) or out of range: make it loud
+      if (lane < ROWS) v[j][lane] = __int_as_float(0x7fc00000);
+    } else {
+      stage_collect();
+      const uint8_t* acts = a.acts + static_cast<size_t>(t * k + j) * a.act_stride;
+#pragma unroll 1
+      for (int r0 = 0; r0 < ROWS; r0 += 4)
+        mmvq_rows<T, 1, 4, false>(a, mine + r0 * a.row_bytes, nullptr, a.row_bytes, acts, v[j] + r0, 4, 0, 0, lane);
+    }
+  }
+  __syncthreads();
+  const int r = threadIdx.x;
+  if (r >= ROWS) return;
+  float o = __fmul_rn(v[0][r], wt_sh[0]);
+  for (int i = 1; i < k; ++i) o = __fadd_rn(o, __fmul_rn(v[i][r], wt_sh[i]));
+  a.y[t * a.ld_y + row0 + r] = o;
+}
+
+bool exp_on(const char* name) { return experiment(name); }
+
+// Dense rows that mmvq_staged_kernel can stage: one token, whole 16-byte words at aligned bases.
+bool stageable(const MvArgs& a) {
+  if (a.ids || a.w2 || a.n_tokens != 1) return false;
+  if (a.n_seg) {
+    for (int i = 0; i < a.n_seg; ++i)
+      if (a.seg_row_bytes[i] % 16 != 0 || !aligned(a.seg_w[i], 16)) return false;
+    return true;
+  }
+  return a.row_bytes % 16 == 0 && aligned(a.w, 16);
+}
+
 template <DType T, int NT, DType T2 = T>
 void launch_mvq_nt(const MvArgs& a0, unsigned n_slots, cudaStream_t s) {
   constexpr int R = NT == 1 ? 1 : 2;
@@ -870,6 +987,26 @@ void launch_mvq(const MvArgs& a, unsigned n_slots, cudaStream_t s) {
     // Two rows per warp: their loads in flight together (measured on the H200: +1.6% decode over one).
     const dim3 grid(blocks_for(a.rows, kMvWarps * 2), n_slots);
     launch(mmvq_kernel<T, 1, 2, true>, grid, kMvWarps * 32, 0, s, a);
+    return;
+  }
+  // (Matrices of more than 64 MiB, i.e. the output head, are a switch of their own: many waves.)
+  if (stageable(a) && exp_on(static_cast<double>(a.rows) * a.row_bytes > 64.0 * 1024 * 1024 ? "stage_head"
+                                                                                              : "stage_dense")) {
+    MvArgs b = a;
+    unsigned ctas = blocks_for(b.rows, kMvWarps);
+    size_t widest = b.row_bytes;
+    if (b.n_seg) {
+      b.seg_cta[0] = 0;
+      widest = 0;
+      for (int i = 0; i < b.n_seg; ++i) {
+        b.seg_cta[i + 1] = b.seg_cta[i] + blocks_for(b.seg_rows[i], kMvWarps);
+        widest = std::max(widest, b.seg_row_bytes[i]);
+      }
+      ctas = b.seg_cta[b.n_seg];
+    }
+    const size_t smem = kMvWarps * widest;
+    need_smem(mmvq_staged_kernel<T, T2>, smem, "matvec (staged rows)");
+    launch(mmvq_staged_kernel<T, T2>, dim3(ctas, n_slots), kMvWarps * 32, smem, s, b, static_cast<int>(widest));
     return;
   }
   if (a.n_tokens <= 1) launch_mvq_nt<T, 1, T2>(a, n_slots, s);
@@ -1543,6 +1680,16 @@ struct AttnArgs {
   unsigned* counters;  // short decode: a zero-initialised counter per (token, kv head)
   uint8_t* out_q;      // short decode: the output also in Q8_K (rows of n_head * hdv values), or null
   int chunk_min;       // short decode: keys per chunk at least (a multiple of 8, at most kChunkMax)
+  // Short decode of one token with the attention prologue fused (AttnRope): q holds the raw query
+  // heads; the kernel norms and rotates them, and the last chunk's CTAs also the new key (k_raw) and
+  // store it and the new value (v_raw) into the cache, as qk_norm_rope_store would.
+  bool fuse_rope;
+  const float* k_raw;
+  const float* v_raw;
+  const float* q_norm;
+  const float* k_norm;
+  int n_rot;
+  float theta_scale, freq_scale, eps;
 };
 
 constexpr int kDecodeMaxTokens = 8;    // attention with at most this many queries uses a decode kernel
@@ -1817,14 +1964,53 @@ __device__ __forceinline__ int group_chunk_len(int nvis, int chunk_min) {
 }
 
 struct GroupSmem {  // dynamic shared memory of attn_dec_group_kernel, in floats
-  int qs, S, red, total;
-  __host__ __device__ GroupSmem(int group, int hdp, int hdv) {
+  int qs, S, red, rope, total;
+  __host__ __device__ GroupSmem(int group, int hdp, int hdv, bool fuse_rope) {
     qs = 0;
     S = group * hdp;
     red = S + group * (kChunkMax > hdv ? kChunkMax : hdv);
-    total = red + group * kGroupThreads + 4 * group;  // partial outputs, then max / 1/sum per head
+    rope = red + group * kGroupThreads + 4 * group;  // partial outputs, then max / 1/sum per head
+    // With the prologue fused: the rotation table, then a normed head per warp.
+    total = rope + (fuse_rope ? hdp + (kGroupThreads / 32) * hdp : 0);
   }
 };
+
+// The fused prologue's RMSNorm of one head (hd <= 256 values at src) by one warp, into hv: the bits of
+// qk_norm_rope_store_kernel's, whose 256 threads hold one value each (so lane l here holds the values
+// of thread 32 i + l, i = 0..7): the same eight warp sums in double, added as block_rms_scale's last
+// warp adds them (a butterfly over lanes 0..7, the other lanes zero).
+__device__ __forceinline__ void warp_head_norm(const float* src, const float* w, float* hv, int hd, float eps,
+                                               int lane) {
+  float x[8];
+  double p[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int e = 32 * i + lane;
+    x[i] = e < hd ? src[e] : 0.0f;
+    p[i] = warp_sum(e < hd ? static_cast<double>(__fmul_rn(x[i], x[i])) : 0.0);
+  }
+  const double sum = __dadd_rn(__dadd_rn(__dadd_rn(p[0], p[4]), __dadd_rn(p[2], p[6])),
+                               __dadd_rn(__dadd_rn(p[1], p[5]), __dadd_rn(p[3], p[7])));
+  const float scale = rms_scale_of(sum, hd, eps);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int e = 32 * i + lane;
+    if (e < hd) {
+      const float xs = __fmul_rn(x[i], scale);
+      hv[e] = w ? __fmul_rn(xs, w[e]) : xs;
+    }
+  }
+  __syncwarp();
+}
+// Element i of the NeoX rotation of the normed head hv (qk_norm_rope_store_kernel's arithmetic).
+__device__ __forceinline__ float rope_elem(const float* hv, const float* tab, int i, int half, int n_rot) {
+  if (i < half) return __fsub_rn(__fmul_rn(hv[i], tab[i]), __fmul_rn(hv[i + half], tab[half + i]));
+  if (i < n_rot) {
+    const int j = i - half;
+    return __fadd_rn(__fmul_rn(hv[j], tab[half + j]), __fmul_rn(hv[i], tab[j]));
+  }
+  return hv[i];
+}
 
 // Arrive at the group's counter and wait until `target` CTAs have (thread 0 spins; the block waits at
 // the barrier): the CTAs' global writes before it are visible to each other after it.
@@ -1871,6 +2057,10 @@ __global__ void __launch_bounds__(kGroupThreads) attn_dec_group_kernel(const Att
   const size_t key_bytes = static_cast<size_t>(a.hd) * sizeof(T), krow_bytes = static_cast<size_t>(nkv) * key_bytes;
   const int nvis = min(attn_pos0(a) + t + 1, a.keys_max);  // (the position: copied before the step's first kernel)
   const GroupMap gm = group_map(a, nvis, blockIdx.x);
+  const GroupSmem L(gm.G, a.hdp, a.hdv, a.fuse_rope);
+  // The fused prologue's rotation table depends only on the position: made while the kernel before
+  // finishes (by every CTA: rope_table has barriers).
+  if (a.fuse_rope) rope_table(sm + L.rope, nvis - 1, a.n_rot / 2, a.theta_scale, a.freq_scale);
   if (gm.active && nvis <= kShortKeys) {
     // While the kernel before finishes, this chunk's cached keys and values (written by earlier steps)
     // go into L2.
@@ -1899,7 +2089,6 @@ __global__ void __launch_bounds__(kGroupThreads) attn_dec_group_kernel(const Att
   if (!gm.active) return;  // (uniform per group: these CTAs take no part in its barriers)
   const int G = gm.G, c = gm.ch, n_act = gm.n_act, j0 = gm.j0, nk = gm.nk;  // this CTA's heads and keys
   const bool alone = n_act == 1;  // one chunk: no barriers, no partial outputs
-  const GroupSmem L(G, a.hdp, a.hdv);
   float* qs = sm + L.qs;    // [G][hdp] the heads' queries, rounded to the cache type
   float* S = sm + L.S;      // [G][kChunkMax] scores, then P
   float* red = sm + L.red;  // [P parts][G][hdv] partial outputs
@@ -1921,18 +2110,53 @@ __global__ void __launch_bounds__(kGroupThreads) attn_dec_group_kernel(const Att
   const T* vr = reinterpret_cast<const T*>(a.v) + (static_cast<size_t>(g) * a.hdv + d) * a.n_ctx + j0;
   const bool vfull = a.v_vec && p < P;
   uint4 vraw[kVRegs][sizeof(T) == 2 ? 1 : 2];
+  auto preload_v = [&] {
 #pragma unroll
-  for (int r = 0; r < kVRegs; ++r) {
-    const int v0 = (p + r * P) * E;
-    if (vfull && v0 + E <= nk) {
-      vraw[r][0] = *reinterpret_cast<const uint4*>(vr + v0);
-      if constexpr (sizeof(T) == 4) vraw[r][1] = *reinterpret_cast<const uint4*>(vr + v0 + 4);
+    for (int r = 0; r < kVRegs; ++r) {
+      const int v0 = (p + r * P) * E;
+      if (vfull && v0 + E <= nk) {
+        vraw[r][0] = *reinterpret_cast<const uint4*>(vr + v0);
+        if constexpr (sizeof(T) == 4) vraw[r][1] = *reinterpret_cast<const uint4*>(vr + v0 + 4);
+      }
     }
-  }
+  };
 
-  for (int e = tid; e < G * a.hdp; e += kGroupThreads) {
-    const int i = e / a.hdp, x = e % a.hdp;
-    qs[e] = x < a.hd ? round_cache<T>(a.q[t * a.ld_q + static_cast<int64_t>(row0 + i) * a.hd + x]) : 0.0f;
+  if (!a.fuse_rope) {
+    preload_v();
+    for (int e = tid; e < G * a.hdp; e += kGroupThreads) {
+      const int i = e / a.hdp, x = e % a.hdp;
+      qs[e] = x < a.hd ? round_cache<T>(a.q[t * a.ld_q + static_cast<int64_t>(row0 + i) * a.hd + x]) : 0.0f;
+    }
+  } else {
+    // The prologue (one token), a job per warp: job j < G norms and rotates query head j of the CTA
+    // into qs, rounded to the cache type; in the last chunk (it holds the new key) job G does the key
+    // and job G + 1 the value, both stored into the cache (the CTAs of every head subset store the
+    // same bits) and then read back as every other key is.
+    const float* tab = sm + L.rope;
+    float* hv = sm + L.rope + a.hdp + warp * a.hdp;
+    const int half = a.n_rot / 2, pnew = nvis - 1;
+    const int jobs = G + (c == n_act - 1 ? 2 : 0);
+    for (int job = warp; job < jobs; job += kGroupThreads / 32) {
+      if (job <= G) {
+        const bool is_q = job < G;
+        const float* src = is_q ? a.q + static_cast<int64_t>(row0 + job) * a.hd : a.k_raw + static_cast<int64_t>(g) * a.hd;
+        warp_head_norm(src, is_q ? a.q_norm : a.k_norm, hv, a.hd, a.eps, lane);
+        T* kc = reinterpret_cast<T*>(const_cast<uint8_t*>(a.k)) + (static_cast<size_t>(pnew) * nkv + g) * a.hd;
+        for (int i = lane; i < a.hdp; i += 32) {
+          const float o = i < a.hd ? rope_elem(hv, tab, i, half, a.n_rot) : 0.0f;
+          if (is_q) qs[job * a.hdp + i] = round_cache<T>(o);
+          else if (i < a.hd) kc[i] = to_cache<T>(o);
+        }
+        __syncwarp();  // (hv is this warp's next job's too)
+      } else {
+        T* vc = reinterpret_cast<T*>(const_cast<uint8_t*>(a.v));
+        for (int i = lane; i < a.hdv; i += 32)
+          vc[static_cast<size_t>(g * a.hdv + i) * a.n_ctx + pnew] =
+              to_cache<T>(a.v_raw[static_cast<int64_t>(g) * a.hdv + i]);
+      }
+    }
+    __syncthreads();  // (the new key and value: visible to the whole CTA from here)
+    preload_v();
   }
   __syncthreads();
   // Scores: a quad per key, each key's quarter in registers for the G dot products.
@@ -2538,7 +2762,7 @@ using AttnKernel = void (*)(AttnArgs);
 template <typename T>
 AttnKernel group_kernel(const AttnArgs& a, size_t* smem) {
   if (a.n_tokens > kDecodeMaxTokens || a.pos0 + a.n_tokens > kShortKeys || a.hdp > 256 || a.group > 16) return nullptr;
-  *smem = static_cast<size_t>(GroupSmem(a.group, a.hdp, a.hdv).total) * sizeof(float);
+  *smem = static_cast<size_t>(GroupSmem(a.group, a.hdp, a.hdv, a.fuse_rope).total) * sizeof(float);
   const AttnKernel k = a.hdp <= 128 ? (a.group <= 8 ? attn_dec_group_kernel<T, 8, 8> : attn_dec_group_kernel<T, 8, 16>)
                                     : (a.group <= 8 ? attn_dec_group_kernel<T, 16, 8> : attn_dec_group_kernel<T, 16, 16>);
   need_smem(k, *smem, "attention");
@@ -3002,8 +3226,21 @@ void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_
   MvArgs a = mv_args(w, acts, 1, y, ld_y, "matvec_experts_combine");
   a.ids = ids;
   a.slot_of = slot_of;
-  const dim3 grid(blocks_for(w.rows, kCombineRows), static_cast<unsigned>(n_tokens));
   const cudaStream_t st = cs(s);
+  constexpr int kStagedRows = 8;
+  if (exp_on("stage_down") && !slot_of && w.rows % kStagedRows == 0 && (kStagedRows * w.row_bytes) % 16 == 0 &&
+      w.mat_bytes % 16 == 0 && aligned(w.data, 16)) {
+    const dim3 grid(static_cast<unsigned>(w.rows / kStagedRows), static_cast<unsigned>(n_tokens));
+    const size_t stage = kStagedRows * w.row_bytes, smem = 8 * stage;
+    with_quant_type(w.type, "matvec_experts_combine", [&](auto T) {
+      auto kern = mmvq_combine_staged_kernel<decltype(T)::value, 8, kStagedRows>;
+      need_smem(kern, smem, "matvec_experts_combine (staged rows)");
+      launch(kern, grid, 8 * 32, smem, st, a, wts, k, static_cast<int>(stage));
+    });
+    launched("matvec_experts_combine");
+    return;
+  }
+  const dim3 grid(blocks_for(w.rows, kCombineRows), static_cast<unsigned>(n_tokens));
   with_quant_type(w.type, "matvec_experts_combine", [&](auto T) {
     launch(mmvq_combine_kernel<decltype(T)::value, 8>, grid, 8 * 32, 0, st, a, wts, k);
   });
@@ -3201,7 +3438,7 @@ size_t attention_scratch_bytes(int n_tokens, int n_kv_max, int n_head, int head_
 
 bool attention(const float* q, int64_t ld_q, const DevKv& kv, int pos0, const int32_t* pos_dev, int n_tokens,
                int n_kv_max, int n_head, int n_head_kv, int head_dim, int head_dim_v, float scale, float* out,
-               int64_t ld_out, void* scratch, size_t scratch_bytes, Stream s, void* out_q) {
+               int64_t ld_out, void* scratch, size_t scratch_bytes, Stream s, void* out_q, const AttnRope* rope) {
   if (n_tokens <= 0) return false;
   if (n_head_kv <= 0 || n_head % n_head_kv != 0) fail("attention: n_head must be a multiple of n_head_kv");
   if (head_dim % 8 != 0 || head_dim > 256 || head_dim_v <= 0 || head_dim_v > 256)
@@ -3234,6 +3471,29 @@ bool attention(const float* q, int64_t ld_q, const DevKv& kv, int pos0, const in
   if (a.keys_max > kv.n_ctx) fail("attention: more keys than the cache holds");
   a.out_q = static_cast<uint8_t*>(out_q);
   const cudaStream_t st = cs(s);
+  if (rope) {  // the prologue in the one-launch kernel where it takes this call, else before it
+    if (rope->n_rot <= 0 || rope->n_rot % 2 != 0 || rope->n_rot > head_dim)
+      fail("attention: bad n_rot " + std::to_string(rope->n_rot));
+    a.fuse_rope = true;
+    a.k_raw = rope->k;
+    a.v_raw = rope->v;
+    a.q_norm = rope->q_norm;
+    a.k_norm = rope->k_norm;
+    a.n_rot = rope->n_rot;
+    a.theta_scale = std::pow(rope->base, -2.0f / static_cast<float>(rope->n_rot));  // as qk_norm_rope_store
+    a.freq_scale = rope->freq_scale;
+    a.eps = rope->eps;
+    size_t unused = 0;
+    const bool fused = n_tokens == 1 && (kv.type == DType::F16 ? group_kernel<__half>(a, &unused) != nullptr
+                                                               : group_kernel<float>(a, &unused) != nullptr);
+    if (!fused) {
+      a.fuse_rope = false;
+      if (!pos_dev) fail("attention: the prologue needs the positions on the device");
+      qk_norm_rope_store(const_cast<float*>(q), ld_q, rope->k, rope->ld_k, rope->v, rope->ld_v, rope->q_norm,
+                         rope->k_norm, kv, pos_dev, n_tokens, n_head, n_head_kv, head_dim, head_dim_v, rope->n_rot,
+                         rope->base, rope->freq_scale, rope->eps, s);
+    }
+  }
   if (kv.type == DType::F16) return launch_attention<__half>(a, scratch, scratch_bytes, st);
   return launch_attention<float>(a, scratch, scratch_bytes, st);
 }
@@ -3294,6 +3554,16 @@ void moe_combine(const float* y, const float* weights, int n_tokens, int k, int 
   if (n_tokens > 65535) fail("moe_combine: too many tokens");
   launch(moe_combine_kernel, dim3(blocks_for(n, 256), n_tokens), 256, 0, cs(s), y, weights, k, n, out);
   launched("moe_combine");
+}
+
+// Experiment switches (FITMOE_EXP=name,name): temporary, for A/B runs on the GPU machine.
+bool experiment(const char* name) {
+  static const std::string list = [] {
+    std::string v = std::getenv("FITMOE_EXP") ? std::getenv("FITMOE_EXP") : "";
+    std::replace(v.begin(), v.end(), ',', ' ');
+    return " " + v + " ";
+  }();
+  return list.find(" " + std::string(name) + " ") != std::string::npos;
 }
 
 }  // namespace fitmoe::gpu

@@ -166,14 +166,32 @@ void qk_norm_rope_store(float* q, int64_t ld_q, const float* k, int64_t ld_k, co
 // one-launch decode kernel also writes the output as Q8_K rows of n_head * head_dim_v values (the next
 // mat-vec's input); returns whether it did (it does when each group of query heads spans whole
 // 256-value blocks).
+// rope (optional): q holds the raw query heads and the call does qk_norm_rope_store's work first, with
+// the same bits: inside the one-launch decode kernel for one token (one launch fewer), else by calling
+// qk_norm_rope_store (which norms q in place, so q must then be writable; pos_dev is required).
+struct AttnRope {
+  const float* k;  // the raw key heads of the new tokens
+  int64_t ld_k;
+  const float* v;  // the new tokens' value heads
+  int64_t ld_v;
+  const float* q_norm;
+  const float* k_norm;
+  int n_rot;
+  float base, freq_scale, eps;
+};
 bool attention(const float* q, int64_t ld_q, const DevKv& kv, int pos0, const int32_t* pos_dev, int n_tokens,
                int n_kv_max, int n_head, int n_head_kv, int head_dim, int head_dim_v, float scale, float* out,
-               int64_t ld_out, void* scratch, size_t scratch_bytes, Stream s, void* out_q = nullptr);
+               int64_t ld_out, void* scratch, size_t scratch_bytes, Stream s, void* out_q = nullptr,
+               const AttnRope* rope = nullptr);
 size_t attention_scratch_bytes(int n_tokens, int n_kv_max, int n_head, int head_dim_v);
 // Decode attention has two kernels: one launch for up to 2048 visible keys, split-K beyond.
 // A launch captured in a CUDA graph keeps its variant, so a graph captured when n_keys (pos0 + n_tokens)
 // had one variant must be captured again when it changes.
 int attention_decode_variant(int n_keys);
+
+// Experiment switches (FITMOE_EXP=name,name in the environment): temporary, for A/B runs on the GPU
+// machine; each is removed once measured.
+bool experiment(const char* name);
 
 // Keeps the stream busy for about `microseconds` (the op profiler queues a step's work behind it, so
 // the times between its events are the kernels' own, not the host's launch rate).

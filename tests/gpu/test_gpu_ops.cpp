@@ -1372,6 +1372,94 @@ TEST_F(GpuOps, AttentionDecodeKeepsItsScratchAcrossCalls) {
     run_attention_case(s(), [this] { sync(); }, c, seed++, &scratch);
 }
 
+// attention() with the prologue (AttnRope) against qk_norm_rope_store followed by attention(): the same
+// output bits, the same Q8_K output and the same caches, byte for byte, whether the one-launch kernel
+// does the prologue itself (one token, short cache: one chunk, several, head subsets) or the call falls
+// back to the separate kernel (several tokens, a cache past the one-launch kernel).
+TEST_F(GpuOps, AttentionWithRopeEqualsQkNormRopeStoreThenAttention) {
+  struct Case {
+    int n_head, n_head_kv, hd, n_rot;
+    DType cache;
+    int pos0, nt;
+    bool graph;
+  };
+  uint64_t seed = 900;
+  for (const Case& c : std::vector<Case>{{32, 4, 128, 128, DType::F16, 0, 1, true},
+                                         {32, 4, 128, 128, DType::F16, 31, 1, true},
+                                         {32, 4, 128, 128, DType::F16, 32, 1, false},
+                                         {32, 4, 128, 128, DType::F16, 70, 1, true},
+                                         {32, 4, 128, 128, DType::F16, 127, 1, true},
+                                         {32, 4, 128, 64, DType::F16, 600, 1, true},
+                                         {32, 4, 128, 128, DType::F16, 2047, 1, true},
+                                         {16, 4, 128, 128, DType::F32, 100, 1, false},
+                                         {8, 8, 64, 64, DType::F16, 50, 1, true},     // MHA
+                                         {32, 2, 256, 256, DType::F16, 40, 1, true},  // 16 heads a group, dim 256
+                                         {16, 2, 72, 40, DType::F16, 45, 1, true},    // dim 72 (padded)
+                                         {32, 4, 128, 128, DType::F16, 60, 3, true},  // three tokens: falls back
+                                         {32, 4, 128, 128, DType::F16, 2100, 1, true}}) {  // split-K: falls back
+    SCOPED_TRACE("heads " + std::to_string(c.n_head) + "/" + std::to_string(c.n_head_kv) + " dim " +
+                 std::to_string(c.hd) + " n_rot " + std::to_string(c.n_rot) + " " + dtype_name(c.cache) + " pos0 " +
+                 std::to_string(c.pos0) + " tokens " + std::to_string(c.nt));
+    const int hd = c.hd, nkv = c.n_head_kv, qw = c.n_head * hd, kw = nkv * hd, n_keys = c.pos0 + c.nt;
+    const int n_ctx = (n_keys + 64) / 64 * 64 + 64;
+    const size_t es = esize(c.cache);
+    Dev kc_a(static_cast<size_t>(n_ctx) * kw * es), vc_a(static_cast<size_t>(n_ctx) * kw * es);
+    Dev kc_b(kc_a.size()), vc_b(vc_a.size());
+    DevKv kv_a{c.cache, kc_a.bytes(), vc_a.bytes(), n_ctx}, kv_b{c.cache, kc_b.bytes(), vc_b.bytes(), n_ctx};
+    if (c.pos0 > 0) {  // the same history in both caches
+      std::vector<int32_t> hist(c.pos0);
+      for (int i = 0; i < c.pos0; ++i) hist[i] = i;
+      auto d_hist = upload(hist);
+      auto hk = upload(randn(static_cast<size_t>(c.pos0) * kw, seed++, 1.0f));
+      auto hvv = upload(randn(static_cast<size_t>(c.pos0) * kw, seed++, 1.0f));
+      kv_store(kv_a, d_hist->as<int32_t>(), c.pos0, hk->as<float>(), kw, hvv->as<float>(), kw, nkv, hd, hd, s());
+      sync();
+      cudaMemcpy(kc_b.as(), kc_a.as(), kc_a.size(), cudaMemcpyDeviceToDevice);
+      cudaMemcpy(vc_b.as(), vc_a.as(), vc_a.size(), cudaMemcpyDeviceToDevice);
+    }
+    std::vector<int32_t> pos(c.nt);
+    for (int t = 0; t < c.nt; ++t) pos[t] = c.pos0 + t;
+    auto d_pos = upload(pos);
+    const std::vector<float> q = randn(static_cast<size_t>(qw) * c.nt, seed++, 2.0f);
+    auto dq_a = upload(q), dq_b = upload(q);
+    auto dk = upload(randn(static_cast<size_t>(kw) * c.nt, seed++, 1.5f));
+    auto dv = upload(randn(static_cast<size_t>(kw) * c.nt, seed++, 1.0f));
+    auto dqn = upload(randn(hd, seed++)), dkn = upload(randn(hd, seed++));
+    const int aw = c.n_head * hd;
+    const size_t qrow = aw % 256 == 0 ? row_bytes(DType::Q8_K, aw) : 0;
+    Dev out_a(static_cast<size_t>(aw) * c.nt * 4), out_b(out_a.size()), oq_a(qrow * c.nt), oq_b(qrow * c.nt);
+    const int n_kv_max = c.graph ? n_ctx : n_keys;
+    Dev scr_a(attention_scratch_bytes(c.nt, n_kv_max, c.n_head, hd)), scr_b(scr_a.size());
+    cudaMemset(scr_a.as(), 0, scr_a.size());
+    cudaMemset(scr_b.as(), 0, scr_b.size());
+    const float base = 1000000.0f, eps = 1e-6f, scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    const int32_t* pos_dev = c.graph ? d_pos->as<int32_t>() : nullptr;
+    qk_norm_rope_store(dq_a->as<float>(), qw, dk->as<float>(), kw, dv->as<float>(), kw, dqn->as<float>(),
+                       dkn->as<float>(), kv_a, d_pos->as<int32_t>(), c.nt, c.n_head, nkv, hd, hd, c.n_rot, base, 1.0f,
+                       eps, s());
+    const bool q_a = attention(dq_a->as<float>(), qw, kv_a, c.pos0, pos_dev, c.nt, n_kv_max, c.n_head, nkv, hd, hd,
+                               scale, out_a.as<float>(), aw, scr_a.as(), scr_a.size(), s(), qrow ? oq_a.as() : nullptr);
+    const AttnRope rope{dk->as<float>(), kw, dv->as<float>(), kw, dqn->as<float>(), dkn->as<float>(),
+                        c.n_rot, base, 1.0f, eps};
+    // (The fallback needs the positions on the device: give them to every call but the graph cases'.)
+    const bool q_b = attention(dq_b->as<float>(), qw, kv_b, c.pos0, d_pos->as<int32_t>(), c.nt,
+                               c.graph ? n_kv_max : n_keys, c.n_head, nkv, hd, hd, scale, out_b.as<float>(), aw,
+                               scr_b.as(), scr_b.size(), s(), qrow ? oq_b.as() : nullptr, &rope);
+    sync();
+    ASSERT_EQ(q_a, q_b);
+    auto ga = out_a.down<float>(static_cast<size_t>(aw) * c.nt), gb = out_b.down<float>(static_cast<size_t>(aw) * c.nt);
+    for (size_t i = 0; i < ga.size(); ++i) {
+      ASSERT_FALSE(is_poison(gb[i])) << "output " << i << " not written";
+      ASSERT_EQ(bits(ga[i]), bits(gb[i])) << "output " << i;
+    }
+    if (q_a) {
+      ASSERT_EQ(oq_a.down<uint8_t>(oq_a.size()), oq_b.down<uint8_t>(oq_b.size())) << "Q8_K output";
+    }
+    ASSERT_EQ(kc_a.down<uint8_t>(kc_a.size()), kc_b.down<uint8_t>(kc_b.size())) << "K cache";
+    ASSERT_EQ(vc_a.down<uint8_t>(vc_a.size()), vc_b.down<uint8_t>(vc_b.size())) << "V cache";
+  }
+}
+
 TEST_F(GpuOps, AttentionPrefill) {
   // f16 caches with heads up to 128 run on tensor cores (sm_70+); FITMOE_ATTN_CUDA_CORES=1 forces the
   // CUDA-core kernel, which every other case uses anyway. Both must hold.
