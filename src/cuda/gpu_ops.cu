@@ -524,25 +524,36 @@ __global__ void __launch_bounds__(kMvWarps * 32) mmvq_kernel(const MvArgs a) {
 // to dst (shared), the warp's lanes strided. From compute capability 8.0 the copy is asynchronous
 // (cp.async, no registers held), so a kernel can start it before its PDL wait and collect it after
 // (stage_collect); before 8.0 it goes through registers.
-__device__ __forceinline__ void stage_rows(void* dst, const void* src, int n16, int lane) {
+// 16 bytes from global to shared memory, asynchronously from compute capability 8.0 (cp.async: no
+// registers held until cp_async_wait), through registers before; a thread's copies are complete and
+// visible to it after cp_async_wait, to its block after a barrier that follows.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  const char* s = static_cast<const char*>(src);
-  for (int i = lane; i < n16; i += 32)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d + 16u * i), "l"(s + 16 * static_cast<size_t>(i))
-                 : "memory");
-  asm volatile("cp.async.commit_group;" ::: "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))),
+               "l"(src)
+               : "memory");
 #else
-  const uint4* s = static_cast<const uint4*>(src);
-  uint4* d = static_cast<uint4*>(dst);
-  for (int i = lane; i < n16; i += 32) d[i] = s[i];
+  *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
 #endif
 }
-// The warp's staged rows are in shared memory and visible to all its lanes.
-__device__ __forceinline__ void stage_collect() {
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_all;" ::: "memory");
 #endif
+}
+__device__ __forceinline__ void stage_rows(void* dst, const void* src, int n16, int lane) {
+  for (int i = lane; i < n16; i += 32)
+    cp_async_16(static_cast<uint8_t*>(dst) + 16 * i, static_cast<const uint8_t*>(src) + 16 * static_cast<size_t>(i));
+  cp_async_commit();
+}
+// The warp's staged rows are in shared memory and visible to all its lanes.
+__device__ __forceinline__ void stage_collect() {
+  cp_async_wait();
   __syncwarp();
 }
 
@@ -954,6 +965,85 @@ __global__ void __launch_bounds__(MAXK * 32, 2) mmvq_combine_staged_kernel(const
   float o = __fmul_rn(v[0][r], wt_sh[0]);
   for (int i = 1; i < k; ++i) o = __fadd_rn(o, __fmul_rn(v[i][r], wt_sh[i]));
   a.y[t * a.ld_y + row0 + r] = o;
+}
+
+
+// One token's down + combine without a quantized copy of g (one launch fewer): each warp j makes the
+// routing itself from the router's logits before the wait (route_choose, as the gate+up kernel that
+// writes g does: the same choices and renormalised weights, bit for bit), stages slot j's ROWS rows
+// as mmvq_combine_staged_kernel does, and after the wait takes the dot products with g itself in
+// floats (the rows dequantized exactly as deq_part, each product fma'd in order over the part, the
+// parts' sums added by warp_sum). The logits are final before the wait (written two kernels back); g
+// is the kernel before's output. Every expert on the device in id order (no slot map).
+template <DType T, int MAXK, int ROWS>
+__global__ void __launch_bounds__(MAXK * 32, 2) mmvq_combine_f32_kernel(const MvArgs a, const float* __restrict__ g,
+                                                                        int64_t ld_g, int stage_bytes) {
+  using W = WT<T>;
+  constexpr int P = W::kQK / 32;
+  extern __shared__ __align__(16) uint8_t wsm[];
+  __shared__ float v[MAXK][ROWS];
+  __shared__ float wt_sh[MAXK];
+  const int j = threadIdx.x >> 5, lane = threadIdx.x & 31, k = a.route_k;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * ROWS;
+  uint8_t* mine = wsm + static_cast<size_t>(j) * stage_bytes;
+  float my_w;
+  int my_i;
+  route_choose(a.route_logits, a.route_n, k, my_w, my_i);
+  if (j == 0) {  // the renormalised weights, as write_renormalised
+    double ws = 0.0;
+#pragma unroll 8
+    for (int i = 0; i < k; ++i) ws += static_cast<double>(__shfl_sync(kFull, my_w, i));
+    const float s = fmaxf(static_cast<float>(ws), 6.103515625e-5f);
+    if (lane < k) wt_sh[lane] = __fdiv_rn(my_w, s);
+  }
+  const int e = __shfl_sync(kFull, my_i, j);
+  const bool ok = j < k && e >= 0 && e < a.n_mats;  // (no choice, which NaN logits leave: INT_MAX)
+  if (ok)
+    stage_rows(mine, a.w + static_cast<size_t>(e) * a.mat_bytes + row0 * a.row_bytes,
+               static_cast<int>(ROWS * a.row_bytes / 16), lane);
+  pdl_enter();
+  if (j < k) {
+    if (!ok) {
+      if (lane < ROWS) v[j][lane] = __int_as_float(0x7fc00000);
+    } else {
+      stage_collect();
+      const float* x = g + static_cast<int64_t>(j) * ld_g;
+      const int64_t nparts = a.cols / 32;
+      float acc[ROWS];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
+      for (int64_t part = lane; part < nparts; part += 32) {
+        float xv[32];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float4 q = *reinterpret_cast<const float4*>(x + part * 32 + 4 * i);
+          xv[4 * i] = q.x, xv[4 * i + 1] = q.y, xv[4 * i + 2] = q.z, xv[4 * i + 3] = q.w;
+        }
+        const int64_t blk = part / P;
+        const int p = static_cast<int>(part % P);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          WPart w;
+          W::decode(mine + r * a.row_bytes + blk * W::kBytes, p, w);
+          float y[32];
+          deq_part<T>(w, y);
+#pragma unroll
+          for (int i = 0; i < 32; ++i) acc[r] = __fmaf_rn(y[i], xv[i], acc[r]);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const float s = warp_sum(acc[r]);
+        if (lane == 0) v[j][r] = s;
+      }
+    }
+  }
+  __syncthreads();
+  const int r = threadIdx.x;
+  if (r >= ROWS) return;
+  float o = __fmul_rn(v[0][r], wt_sh[0]);
+  for (int i = 1; i < k; ++i) o = __fadd_rn(o, __fmul_rn(v[i][r], wt_sh[i]));
+  a.y[row0 + r] = o;
 }
 
 bool exp_on(const char* name) { return experiment(name); }
@@ -1680,16 +1770,7 @@ struct AttnArgs {
   unsigned* counters;  // short decode: a zero-initialised counter per (token, kv head)
   uint8_t* out_q;      // short decode: the output also in Q8_K (rows of n_head * hdv values), or null
   int chunk_min;       // short decode: keys per chunk at least (a multiple of 8, at most kChunkMax)
-  // Short decode of one token with the attention prologue fused (AttnRope): q holds the raw query
-  // heads; the kernel norms and rotates them, and the last chunk's CTAs also the new key (k_raw) and
-  // store it and the new value (v_raw) into the cache, as qk_norm_rope_store would.
-  bool fuse_rope;
-  const float* k_raw;
-  const float* v_raw;
-  const float* q_norm;
-  const float* k_norm;
-  int n_rot;
-  float theta_scale, freq_scale, eps;
+  bool stage_k;        // short decode: the chunk's first keys of earlier steps staged in shared memory
 };
 
 constexpr int kDecodeMaxTokens = 8;    // attention with at most this many queries uses a decode kernel
@@ -1963,53 +2044,24 @@ __device__ __forceinline__ int group_chunk_len(int nvis, int chunk_min) {
   return per > chunk_min ? per : chunk_min;
 }
 
+constexpr int kStageKeys = 32;  // keys of a chunk staged in shared memory before the wait, at most
 struct GroupSmem {  // dynamic shared memory of attn_dec_group_kernel, in floats
-  int qs, S, red, rope, total;
-  __host__ __device__ GroupSmem(int group, int hdp, int hdv, bool fuse_rope) {
+  int qs, S, red, kst, total;
+  // key_floats: a cached key's size in floats when keys are staged, else 0
+  __host__ __device__ GroupSmem(int group, int hdp, int hdv, int key_floats) {
     qs = 0;
     S = group * hdp;
     red = S + group * (kChunkMax > hdv ? kChunkMax : hdv);
-    rope = red + group * kGroupThreads + 4 * group;  // partial outputs, then max / 1/sum per head
-    // With the prologue fused: the rotation table, then a normed head per warp.
-    total = rope + (fuse_rope ? hdp + (kGroupThreads / 32) * hdp : 0);
+    kst = red + group * kGroupThreads + 4 * group;  // partial outputs, then max / 1/sum per head
+    total = kst + kStageKeys * key_floats;          // then the staged keys
   }
 };
-
-// The fused prologue's RMSNorm of one head (hd <= 256 values at src) by one warp, into hv: the bits of
-// qk_norm_rope_store_kernel's, whose 256 threads hold one value each (so lane l here holds the values
-// of thread 32 i + l, i = 0..7): the same eight warp sums in double, added as block_rms_scale's last
-// warp adds them (a butterfly over lanes 0..7, the other lanes zero).
-__device__ __forceinline__ void warp_head_norm(const float* src, const float* w, float* hv, int hd, float eps,
-                                               int lane) {
-  float x[8];
-  double p[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int e = 32 * i + lane;
-    x[i] = e < hd ? src[e] : 0.0f;
-    p[i] = warp_sum(e < hd ? static_cast<double>(__fmul_rn(x[i], x[i])) : 0.0);
-  }
-  const double sum = __dadd_rn(__dadd_rn(__dadd_rn(p[0], p[4]), __dadd_rn(p[2], p[6])),
-                               __dadd_rn(__dadd_rn(p[1], p[5]), __dadd_rn(p[3], p[7])));
-  const float scale = rms_scale_of(sum, hd, eps);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int e = 32 * i + lane;
-    if (e < hd) {
-      const float xs = __fmul_rn(x[i], scale);
-      hv[e] = w ? __fmul_rn(xs, w[e]) : xs;
-    }
-  }
-  __syncwarp();
-}
-// Element i of the NeoX rotation of the normed head hv (qk_norm_rope_store_kernel's arithmetic).
-__device__ __forceinline__ float rope_elem(const float* hv, const float* tab, int i, int half, int n_rot) {
-  if (i < half) return __fsub_rn(__fmul_rn(hv[i], tab[i]), __fmul_rn(hv[i + half], tab[half + i]));
-  if (i < n_rot) {
-    const int j = i - half;
-    return __fadd_rn(__fmul_rn(hv[j], tab[half + j]), __fmul_rn(hv[i], tab[j]));
-  }
-  return hv[i];
+// How many of the chunk's keys are staged: those before the first new one (the launch's tokens' keys
+// are written by the kernel before), at most kStageKeys.
+__device__ __forceinline__ int staged_keys(const AttnArgs& a, int j0, int nk) {
+  if (!a.stage_k) return 0;
+  const int before = attn_pos0(a) - j0;
+  return max(0, min(before, min(nk, kStageKeys)));
 }
 
 // Arrive at the group's counter and wait until `target` CTAs have (thread 0 spins; the block waits at
@@ -2057,10 +2109,8 @@ __global__ void __launch_bounds__(kGroupThreads) attn_dec_group_kernel(const Att
   const size_t key_bytes = static_cast<size_t>(a.hd) * sizeof(T), krow_bytes = static_cast<size_t>(nkv) * key_bytes;
   const int nvis = min(attn_pos0(a) + t + 1, a.keys_max);  // (the position: copied before the step's first kernel)
   const GroupMap gm = group_map(a, nvis, blockIdx.x);
-  const GroupSmem L(gm.G, a.hdp, a.hdv, a.fuse_rope);
-  // The fused prologue's rotation table depends only on the position: made while the kernel before
-  // finishes (by every CTA: rope_table has barriers).
-  if (a.fuse_rope) rope_table(sm + L.rope, nvis - 1, a.n_rot / 2, a.theta_scale, a.freq_scale);
+  const GroupSmem L(gm.G, a.hdp, a.hdv, a.stage_k ? static_cast<int>(key_bytes / 4) : 0);
+  uint8_t* kst = reinterpret_cast<uint8_t*>(sm + L.kst);  // [kStageKeys][hd] staged keys
   if (gm.active && nvis <= kShortKeys) {
     // While the kernel before finishes, this chunk's cached keys and values (written by earlier steps)
     // go into L2.
@@ -2071,6 +2121,11 @@ __global__ void __launch_bounds__(kGroupThreads) attn_dec_group_kernel(const Att
       prefetch_l2(kb + static_cast<size_t>(i / lk) * krow_bytes + (i % lk) * 128, 1, 0, 1);
     for (int i = tid; i < a.hdv * lv; i += kGroupThreads)
       prefetch_l2(vb + static_cast<size_t>(i / lv) * a.n_ctx * sizeof(T) + (i % lv) * 128, 1, 0, 1);
+    // The first keys (written by earlier steps) into shared memory meanwhile, as whole 16-byte words.
+    const int ns = staged_keys(a, gm.j0, gm.nk), w16 = static_cast<int>(key_bytes / 16);
+    for (int i = tid; i < ns * w16; i += kGroupThreads)
+      cp_async_16(kst + static_cast<size_t>(i) * 16, kb + static_cast<size_t>(i / w16) * krow_bytes + (i % w16) * 16);
+    cp_async_commit();
   }
   pdl_enter();
   if (nvis > kShortKeys) {  // the caller chose the wrong variant: say so loudly, never silently
@@ -2089,6 +2144,7 @@ __global__ void __launch_bounds__(kGroupThreads) attn_dec_group_kernel(const Att
   if (!gm.active) return;  // (uniform per group: these CTAs take no part in its barriers)
   const int G = gm.G, c = gm.ch, n_act = gm.n_act, j0 = gm.j0, nk = gm.nk;  // this CTA's heads and keys
   const bool alone = n_act == 1;  // one chunk: no barriers, no partial outputs
+  const int ns = staged_keys(a, j0, nk);
   float* qs = sm + L.qs;    // [G][hdp] the heads' queries, rounded to the cache type
   float* S = sm + L.S;      // [G][kChunkMax] scores, then P
   float* red = sm + L.red;  // [P parts][G][hdv] partial outputs
@@ -2110,54 +2166,20 @@ __global__ void __launch_bounds__(kGroupThreads) attn_dec_group_kernel(const Att
   const T* vr = reinterpret_cast<const T*>(a.v) + (static_cast<size_t>(g) * a.hdv + d) * a.n_ctx + j0;
   const bool vfull = a.v_vec && p < P;
   uint4 vraw[kVRegs][sizeof(T) == 2 ? 1 : 2];
-  auto preload_v = [&] {
 #pragma unroll
-    for (int r = 0; r < kVRegs; ++r) {
-      const int v0 = (p + r * P) * E;
-      if (vfull && v0 + E <= nk) {
-        vraw[r][0] = *reinterpret_cast<const uint4*>(vr + v0);
-        if constexpr (sizeof(T) == 4) vraw[r][1] = *reinterpret_cast<const uint4*>(vr + v0 + 4);
-      }
+  for (int r = 0; r < kVRegs; ++r) {
+    const int v0 = (p + r * P) * E;
+    if (vfull && v0 + E <= nk) {
+      vraw[r][0] = *reinterpret_cast<const uint4*>(vr + v0);
+      if constexpr (sizeof(T) == 4) vraw[r][1] = *reinterpret_cast<const uint4*>(vr + v0 + 4);
     }
-  };
-
-  if (!a.fuse_rope) {
-    preload_v();
-    for (int e = tid; e < G * a.hdp; e += kGroupThreads) {
-      const int i = e / a.hdp, x = e % a.hdp;
-      qs[e] = x < a.hd ? round_cache<T>(a.q[t * a.ld_q + static_cast<int64_t>(row0 + i) * a.hd + x]) : 0.0f;
-    }
-  } else {
-    // The prologue (one token), a job per warp: job j < G norms and rotates query head j of the CTA
-    // into qs, rounded to the cache type; in the last chunk (it holds the new key) job G does the key
-    // and job G + 1 the value, both stored into the cache (the CTAs of every head subset store the
-    // same bits) and then read back as every other key is.
-    const float* tab = sm + L.rope;
-    float* hv = sm + L.rope + a.hdp + warp * a.hdp;
-    const int half = a.n_rot / 2, pnew = nvis - 1;
-    const int jobs = G + (c == n_act - 1 ? 2 : 0);
-    for (int job = warp; job < jobs; job += kGroupThreads / 32) {
-      if (job <= G) {
-        const bool is_q = job < G;
-        const float* src = is_q ? a.q + static_cast<int64_t>(row0 + job) * a.hd : a.k_raw + static_cast<int64_t>(g) * a.hd;
-        warp_head_norm(src, is_q ? a.q_norm : a.k_norm, hv, a.hd, a.eps, lane);
-        T* kc = reinterpret_cast<T*>(const_cast<uint8_t*>(a.k)) + (static_cast<size_t>(pnew) * nkv + g) * a.hd;
-        for (int i = lane; i < a.hdp; i += 32) {
-          const float o = i < a.hd ? rope_elem(hv, tab, i, half, a.n_rot) : 0.0f;
-          if (is_q) qs[job * a.hdp + i] = round_cache<T>(o);
-          else if (i < a.hd) kc[i] = to_cache<T>(o);
-        }
-        __syncwarp();  // (hv is this warp's next job's too)
-      } else {
-        T* vc = reinterpret_cast<T*>(const_cast<uint8_t*>(a.v));
-        for (int i = lane; i < a.hdv; i += 32)
-          vc[static_cast<size_t>(g * a.hdv + i) * a.n_ctx + pnew] =
-              to_cache<T>(a.v_raw[static_cast<int64_t>(g) * a.hdv + i]);
-      }
-    }
-    __syncthreads();  // (the new key and value: visible to the whole CTA from here)
-    preload_v();
   }
+
+  for (int e = tid; e < G * a.hdp; e += kGroupThreads) {
+    const int i = e / a.hdp, x = e % a.hdp;
+    qs[e] = x < a.hd ? round_cache<T>(a.q[t * a.ld_q + static_cast<int64_t>(row0 + i) * a.hd + x]) : 0.0f;
+  }
+  cp_async_wait();  // (this thread's staged keys; the barrier makes them everyone's)
   __syncthreads();
   // Scores: a quad per key, each key's quarter in registers for the G dot products.
   {
@@ -2168,7 +2190,9 @@ __global__ void __launch_bounds__(kGroupThreads) attn_dec_group_kernel(const Att
       const int jj = jj0 + kq;
       const bool valid = jj < nk;
       float2 kv[MAXM][2];
-      load_key_quad<T, MAXM>(kbase + static_cast<size_t>(valid ? j0 + jj : 0) * krow, cq, nm, a.hd, valid, kv);
+      const T* kr = jj < ns ? reinterpret_cast<const T*>(kst) + static_cast<size_t>(jj) * a.hd
+                            : kbase + static_cast<size_t>(valid ? j0 + jj : 0) * krow;
+      load_key_quad<T, MAXM>(kr, cq, nm, a.hd, valid, kv);
       for (int i = 0; i < G; ++i) {
         const float sc = __fmul_rn(dot_key_quad<MAXM>(kv, qs + i * a.hdp + 2 * cq, nm), a.scale);
         if (valid && cq == 0) S[i * kChunkMax + jj] = sc;
@@ -2762,7 +2786,8 @@ using AttnKernel = void (*)(AttnArgs);
 template <typename T>
 AttnKernel group_kernel(const AttnArgs& a, size_t* smem) {
   if (a.n_tokens > kDecodeMaxTokens || a.pos0 + a.n_tokens > kShortKeys || a.hdp > 256 || a.group > 16) return nullptr;
-  *smem = static_cast<size_t>(GroupSmem(a.group, a.hdp, a.hdv, a.fuse_rope).total) * sizeof(float);
+  *smem = static_cast<size_t>(GroupSmem(a.group, a.hdp, a.hdv, a.stage_k ? a.hd * static_cast<int>(sizeof(T)) / 4 : 0).total) *
+          sizeof(float);
   const AttnKernel k = a.hdp <= 128 ? (a.group <= 8 ? attn_dec_group_kernel<T, 8, 8> : attn_dec_group_kernel<T, 8, 16>)
                                     : (a.group <= 8 ? attn_dec_group_kernel<T, 16, 8> : attn_dec_group_kernel<T, 16, 16>);
   need_smem(k, *smem, "attention");
@@ -2774,6 +2799,7 @@ AttnKernel group_kernel(const AttnArgs& a, size_t* smem) {
 // when each group's span of the output is whole 256-value blocks).
 template <typename T>
 bool launch_attention(AttnArgs& a, void* scratch, size_t scratch_bytes, cudaStream_t s) {
+  a.stage_k = exp_on("attn_stage") && (a.hd * sizeof(T)) % 16 == 0 && aligned(a.k, 16);
   size_t gsmem = 0;
   if (const AttnKernel gk = group_kernel<T>(a, &gsmem)) {
     const DecodeLayout d = decode_layout(a.n_tokens, a.keys_max, a.n_head, a.hdv);
@@ -3209,6 +3235,29 @@ void matvec_experts_glu_routed(const DevMatrix& gate, const DevMatrix& up, const
   launched("matvec_experts_glu_routed");
 }
 
+bool matvec_experts_combine_f32(const DevMatrix& w, const float* logits, int n_expert, int k, const float* g,
+                                int64_t ld_g, float* y, Stream s) {
+  constexpr int kRows = 8;
+  if (k <= 0 || k > 8 || n_expert > kRouteInExpertsMax || is_float_type(w.type) || w.n_mats < n_expert ||
+      w.rows % kRows != 0 || (kRows * w.row_bytes) % 16 != 0 || w.mat_bytes % 16 != 0 || !aligned(w.data, 16) ||
+      w.cols % 32 != 0 || ld_g % 4 != 0 || !aligned(g, 16))
+    return false;
+  MvArgs a = mv_args(w, nullptr, 1, y, 0, "matvec_experts_combine_f32");
+  a.route_logits = logits;
+  a.route_n = n_expert;
+  a.route_k = k;
+  const dim3 grid(static_cast<unsigned>(w.rows / kRows));
+  const size_t stage = kRows * w.row_bytes, smem = 8 * stage;
+  const cudaStream_t st = cs(s);
+  with_quant_type(w.type, "matvec_experts_combine_f32", [&](auto T) {
+    auto kern = mmvq_combine_f32_kernel<decltype(T)::value, 8, kRows>;
+    need_smem(kern, smem, "matvec_experts_combine_f32");
+    launch(kern, grid, 8 * 32, smem, st, a, g, ld_g, static_cast<int>(stage));
+  });
+  launched("matvec_experts_combine_f32");
+  return true;
+}
+
 void matvec_experts(const DevMatrix& w, const int32_t* ids, const int32_t* slot_of, int n_slots, const void* acts,
                     const int32_t* act_row, float* y, int64_t ld_y, Stream s) {
   if (n_slots <= 0) return;
@@ -3438,7 +3487,7 @@ size_t attention_scratch_bytes(int n_tokens, int n_kv_max, int n_head, int head_
 
 bool attention(const float* q, int64_t ld_q, const DevKv& kv, int pos0, const int32_t* pos_dev, int n_tokens,
                int n_kv_max, int n_head, int n_head_kv, int head_dim, int head_dim_v, float scale, float* out,
-               int64_t ld_out, void* scratch, size_t scratch_bytes, Stream s, void* out_q, const AttnRope* rope) {
+               int64_t ld_out, void* scratch, size_t scratch_bytes, Stream s, void* out_q) {
   if (n_tokens <= 0) return false;
   if (n_head_kv <= 0 || n_head % n_head_kv != 0) fail("attention: n_head must be a multiple of n_head_kv");
   if (head_dim % 8 != 0 || head_dim > 256 || head_dim_v <= 0 || head_dim_v > 256)
@@ -3471,29 +3520,6 @@ bool attention(const float* q, int64_t ld_q, const DevKv& kv, int pos0, const in
   if (a.keys_max > kv.n_ctx) fail("attention: more keys than the cache holds");
   a.out_q = static_cast<uint8_t*>(out_q);
   const cudaStream_t st = cs(s);
-  if (rope) {  // the prologue in the one-launch kernel where it takes this call, else before it
-    if (rope->n_rot <= 0 || rope->n_rot % 2 != 0 || rope->n_rot > head_dim)
-      fail("attention: bad n_rot " + std::to_string(rope->n_rot));
-    a.fuse_rope = true;
-    a.k_raw = rope->k;
-    a.v_raw = rope->v;
-    a.q_norm = rope->q_norm;
-    a.k_norm = rope->k_norm;
-    a.n_rot = rope->n_rot;
-    a.theta_scale = std::pow(rope->base, -2.0f / static_cast<float>(rope->n_rot));  // as qk_norm_rope_store
-    a.freq_scale = rope->freq_scale;
-    a.eps = rope->eps;
-    size_t unused = 0;
-    const bool fused = n_tokens == 1 && (kv.type == DType::F16 ? group_kernel<__half>(a, &unused) != nullptr
-                                                               : group_kernel<float>(a, &unused) != nullptr);
-    if (!fused) {
-      a.fuse_rope = false;
-      if (!pos_dev) fail("attention: the prologue needs the positions on the device");
-      qk_norm_rope_store(const_cast<float*>(q), ld_q, rope->k, rope->ld_k, rope->v, rope->ld_v, rope->q_norm,
-                         rope->k_norm, kv, pos_dev, n_tokens, n_head, n_head_kv, head_dim, head_dim_v, rope->n_rot,
-                         rope->base, rope->freq_scale, rope->eps, s);
-    }
-  }
   if (kv.type == DType::F16) return launch_attention<__half>(a, scratch, scratch_bytes, st);
   return launch_attention<float>(a, scratch, scratch_bytes, st);
 }

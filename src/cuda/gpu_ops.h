@@ -109,6 +109,13 @@ constexpr int kRouteInExpertsMax = 256;
 void matvec_experts_glu_routed(const DevMatrix& gate, const DevMatrix& up, const float* logits, int n_expert, int k,
                                int32_t* ids, float* weights, const int32_t* slot_of, const void* acts, float* y,
                                int64_t ld_y, Stream s);
+// One token's down + combine straight from g in floats (no Q8_K copy of it: one launch fewer), the
+// routing made again from the router's logits (the same choices and weights as
+// matvec_experts_glu_routed's): y = sum_j wts[j] * (down_{e_j} g_j), the rows dequantized exactly and
+// each dot product in float. Every expert on the device in id order. Returns false (launching
+// nothing) where the shape does not suit the kernel.
+bool matvec_experts_combine_f32(const DevMatrix& w, const float* logits, int n_expert, int k, const float* g,
+                                int64_t ld_g, float* y, Stream s);
 // dst[dst_rows ? dst_rows[i] : i] = src[src_rows ? src_rows[i] : i] for i < n rows of `width` floats.
 // Hybrid decode, the GPU side of the hand-over from the CPU's experts, with their combination: waits
 // until *host_flag (pinned host memory, device view) equals *epoch (device), then for each token
@@ -166,23 +173,9 @@ void qk_norm_rope_store(float* q, int64_t ld_q, const float* k, int64_t ld_k, co
 // one-launch decode kernel also writes the output as Q8_K rows of n_head * head_dim_v values (the next
 // mat-vec's input); returns whether it did (it does when each group of query heads spans whole
 // 256-value blocks).
-// rope (optional): q holds the raw query heads and the call does qk_norm_rope_store's work first, with
-// the same bits: inside the one-launch decode kernel for one token (one launch fewer), else by calling
-// qk_norm_rope_store (which norms q in place, so q must then be writable; pos_dev is required).
-struct AttnRope {
-  const float* k;  // the raw key heads of the new tokens
-  int64_t ld_k;
-  const float* v;  // the new tokens' value heads
-  int64_t ld_v;
-  const float* q_norm;
-  const float* k_norm;
-  int n_rot;
-  float base, freq_scale, eps;
-};
 bool attention(const float* q, int64_t ld_q, const DevKv& kv, int pos0, const int32_t* pos_dev, int n_tokens,
                int n_kv_max, int n_head, int n_head_kv, int head_dim, int head_dim_v, float scale, float* out,
-               int64_t ld_out, void* scratch, size_t scratch_bytes, Stream s, void* out_q = nullptr,
-               const AttnRope* rope = nullptr);
+               int64_t ld_out, void* scratch, size_t scratch_bytes, Stream s, void* out_q = nullptr);
 size_t attention_scratch_bytes(int n_tokens, int n_kv_max, int n_head, int head_dim_v);
 // Decode attention has two kernels: one launch for up to 2048 visible keys, split-K beyond.
 // A launch captured in a CUDA graph keeps its variant, so a graph captured when n_keys (pos0 + n_tokens)

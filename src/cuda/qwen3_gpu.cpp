@@ -679,15 +679,9 @@ class Qwen3Gpu final : public GpuRunner {
     const int qw = c.n_head * hd, kw = c.n_head_kv * hd, vw = c.n_head_kv * hdv, aw = c.n_head * hdv;
     linear_shared(st, pool, {{&G.wq, st.q, qw}, {&G.wk, st.k, kw}, {&G.wv, st.v, vw}}, st.xn, nt);
     prof_.mark("attn q,k,v", stream_);
-    // One token: the attention call does the q/k norm + RoPE + KV store itself (in its own launch
-    // where it can).
-    const gpu::AttnRope rope{st.k, kw, st.v, vw, G.q_norm, G.k_norm, c.n_rot, c.rope_base, c.rope_freq_scale, c.rms_eps};
-    const bool fuse_rope = nt == 1 && gpu::experiment("attn_rope");
-    if (!fuse_rope) {
-      gpu::qk_norm_rope_store(st.q, qw, st.k, kw, st.v, vw, G.q_norm, G.k_norm, st.kv[l], st.pos, nt, c.n_head,
-                              c.n_head_kv, hd, hdv, c.n_rot, c.rope_base, c.rope_freq_scale, c.rms_eps, stream_);
-      prof_.mark("q/k norm + rope + kv store", stream_);
-    }
+    gpu::qk_norm_rope_store(st.q, qw, st.k, kw, st.v, vw, G.q_norm, G.k_norm, st.kv[l], st.pos, nt, c.n_head,
+                            c.n_head_kv, hd, hdv, c.n_rot, c.rope_base, c.rope_freq_scale, c.rms_eps, stream_);
+    prof_.mark("q/k norm + rope + kv store", stream_);
     // The decode kernel can hand wo its input in Q8_K (one quantize launch fewer).
     void* att_q = st.att_q && nt <= gpu::kMaxVecTokens && G.wo.on_gpu() &&
                           dtype_info(G.wo.dev.type).act_type == DType::Q8_K
@@ -695,7 +689,7 @@ class Qwen3Gpu final : public GpuRunner {
                       : nullptr;
     st.att_q_valid = gpu::attention(st.q, qw, st.kv[l], pos0, st.pos, nt, st.n_ctx(), c.n_head, c.n_head_kv, hd, hdv,
                                     1.0f / std::sqrt(static_cast<float>(hd)), st.att, aw, st.attn_scratch,
-                                    st.attn_scratch_bytes, stream_, att_q, fuse_rope ? &rope : nullptr);
+                                    st.attn_scratch_bytes, stream_, att_q);
     prof_.mark("attention", stream_);
     const bool fold = folds_norm(G, nt);
     linear(st, pool, G.wo, st.att, nt, fold ? st.y_attn : st.y, E);
@@ -788,6 +782,15 @@ class Qwen3Gpu final : public GpuRunner {
     }
     prof_.mark("experts gate+up", stream_);
     const DevMatrix& down = X.n_dev > 0 ? X.down : X.host_down;
+    // One token, every expert on the GPU: the down kernel reads g itself (no Q8_K copy of it) and
+    // routes again from the logits (the choices in st.ids are the kernel before's, not yet final when
+    // it starts).
+    if (routed_by_experts && !X.decode_slot_of() && gpu::experiment("down_f32") &&
+        gpu::matvec_experts_combine_f32(X.down, st.rlogits, c.n_expert, k, st.g, ff, st.y, stream_)) {
+      st.ffn_out_combined = true;
+      prof_.mark("experts down", stream_);
+      return;
+    }
     acts = vec_acts(st, down.type, st.g, n_slots, ff);
     if (X.n_dev == c.n_expert && k <= 8 && !is_float_type(X.down.type)) {
       // Every expert on the GPU: the down products combine straight into st.y.

@@ -614,6 +614,60 @@ TEST_F(GpuOps, MatvecExpertsCombineEqualsExpertsAndCombine) {
   }
 }
 
+// The down + combine straight from float g, routing again from the logits: route_topk's choices and
+// weights, and each row within float rounding of the double-precision product of the exactly
+// dequantized rows with g (the Q8_K path's rounding of g is gone). NaN logits give NaN rows.
+TEST_F(GpuOps, MatvecExpertsCombineF32MatchesTheRoutedProduct) {
+  const int64_t cols = 768, rows = 64;
+  const int n_expert = 128;
+  for (DType t : kWeightTypes) {
+    if (is_float_type(t) || cols % dtype_info(t).block_size != 0) continue;
+    HostMatrix w = random_matrix(t, rows, cols, n_expert, 731);
+    auto dw = upload(w.data);
+    DevMatrix m = dev_matrix(w, *dw);
+    for (int k : {8, 3}) {
+      for (int variant = 0; variant < 2; ++variant) {  // plain, NaN logits
+        SCOPED_TRACE(std::string(dtype_name(t)) + " k " + std::to_string(k) + " variant " + std::to_string(variant));
+        std::vector<float> logits = randn(n_expert, 732 + k + variant, 2.0f);
+        if (variant == 1) logits[7] = std::numeric_limits<float>::quiet_NaN();
+        const std::vector<float> g = randn(static_cast<size_t>(cols) * k, 733 + k, 0.5f);
+        auto dl = upload(logits), dg = upload(g);
+        Dev y(static_cast<size_t>(rows) * 4), ids(k * 4), wts(k * 4);
+        const bool ran = matvec_experts_combine_f32(m, dl->as<float>(), n_expert, k, dg->as<float>(), cols,
+                                                    y.as<float>(), s());
+        if (!ran) {  // only where the rows cannot be staged in 16-byte words
+          ASSERT_NE((8 * w.rb) % 16, 0u);
+          continue;
+        }
+        route_topk(dl->as<float>(), 1, n_expert, k, ids.as<int32_t>(), wts.as<float>(), s());
+        sync();
+        auto yv = y.down<float>(rows);
+        if (variant == 1) {
+          for (float v : yv) ASSERT_TRUE(std::isnan(v) && !is_poison(v)) << "NaN logits: every row NaN";
+          continue;
+        }
+        auto id = ids.down<int32_t>(k);
+        auto wt = wts.down<float>(k);
+        std::vector<float> row(cols);
+        for (int64_t r = 0; r < rows; ++r) {
+          double want = 0, scale = 0;
+          for (int j = 0; j < k; ++j) {
+            quant::dequantize_row_ref(t, w.row(id[j], r), row.data(), cols);
+            double d = 0, a = 0;
+            for (int64_t c = 0; c < cols; ++c) {
+              d += static_cast<double>(row[c]) * g[j * cols + c];
+              a += std::fabs(static_cast<double>(row[c]) * g[j * cols + c]);
+            }
+            want += static_cast<double>(wt[j]) * d;
+            scale += std::fabs(static_cast<double>(wt[j])) * a;
+          }
+          ASSERT_NEAR(yv[r], want, 5e-6 * scale + 1e-30) << "row " << r;
+        }
+      }
+    }
+  }
+}
+
 // The hand-over from the CPU's experts: the kernel waits for the flag to reach the epoch (here set by
 // the host while the kernel is already waiting), then copies exactly the host slots' rows; device
 // slots' rows stay untouched. A second round with a new epoch must wait again (the old flag value
@@ -1370,94 +1424,6 @@ TEST_F(GpuOps, AttentionDecodeKeepsItsScratchAcrossCalls) {
                                                  {32, 4, 128, 128, DType::F16, 61, 5, false},
                                                  {32, 4, 128, 128, DType::F16, 5, 1, false}})
     run_attention_case(s(), [this] { sync(); }, c, seed++, &scratch);
-}
-
-// attention() with the prologue (AttnRope) against qk_norm_rope_store followed by attention(): the same
-// output bits, the same Q8_K output and the same caches, byte for byte, whether the one-launch kernel
-// does the prologue itself (one token, short cache: one chunk, several, head subsets) or the call falls
-// back to the separate kernel (several tokens, a cache past the one-launch kernel).
-TEST_F(GpuOps, AttentionWithRopeEqualsQkNormRopeStoreThenAttention) {
-  struct Case {
-    int n_head, n_head_kv, hd, n_rot;
-    DType cache;
-    int pos0, nt;
-    bool graph;
-  };
-  uint64_t seed = 900;
-  for (const Case& c : std::vector<Case>{{32, 4, 128, 128, DType::F16, 0, 1, true},
-                                         {32, 4, 128, 128, DType::F16, 31, 1, true},
-                                         {32, 4, 128, 128, DType::F16, 32, 1, false},
-                                         {32, 4, 128, 128, DType::F16, 70, 1, true},
-                                         {32, 4, 128, 128, DType::F16, 127, 1, true},
-                                         {32, 4, 128, 64, DType::F16, 600, 1, true},
-                                         {32, 4, 128, 128, DType::F16, 2047, 1, true},
-                                         {16, 4, 128, 128, DType::F32, 100, 1, false},
-                                         {8, 8, 64, 64, DType::F16, 50, 1, true},     // MHA
-                                         {32, 2, 256, 256, DType::F16, 40, 1, true},  // 16 heads a group, dim 256
-                                         {16, 2, 72, 40, DType::F16, 45, 1, true},    // dim 72 (padded)
-                                         {32, 4, 128, 128, DType::F16, 60, 3, true},  // three tokens: falls back
-                                         {32, 4, 128, 128, DType::F16, 2100, 1, true}}) {  // split-K: falls back
-    SCOPED_TRACE("heads " + std::to_string(c.n_head) + "/" + std::to_string(c.n_head_kv) + " dim " +
-                 std::to_string(c.hd) + " n_rot " + std::to_string(c.n_rot) + " " + dtype_name(c.cache) + " pos0 " +
-                 std::to_string(c.pos0) + " tokens " + std::to_string(c.nt));
-    const int hd = c.hd, nkv = c.n_head_kv, qw = c.n_head * hd, kw = nkv * hd, n_keys = c.pos0 + c.nt;
-    const int n_ctx = (n_keys + 64) / 64 * 64 + 64;
-    const size_t es = esize(c.cache);
-    Dev kc_a(static_cast<size_t>(n_ctx) * kw * es), vc_a(static_cast<size_t>(n_ctx) * kw * es);
-    Dev kc_b(kc_a.size()), vc_b(vc_a.size());
-    DevKv kv_a{c.cache, kc_a.bytes(), vc_a.bytes(), n_ctx}, kv_b{c.cache, kc_b.bytes(), vc_b.bytes(), n_ctx};
-    if (c.pos0 > 0) {  // the same history in both caches
-      std::vector<int32_t> hist(c.pos0);
-      for (int i = 0; i < c.pos0; ++i) hist[i] = i;
-      auto d_hist = upload(hist);
-      auto hk = upload(randn(static_cast<size_t>(c.pos0) * kw, seed++, 1.0f));
-      auto hvv = upload(randn(static_cast<size_t>(c.pos0) * kw, seed++, 1.0f));
-      kv_store(kv_a, d_hist->as<int32_t>(), c.pos0, hk->as<float>(), kw, hvv->as<float>(), kw, nkv, hd, hd, s());
-      sync();
-      cudaMemcpy(kc_b.as(), kc_a.as(), kc_a.size(), cudaMemcpyDeviceToDevice);
-      cudaMemcpy(vc_b.as(), vc_a.as(), vc_a.size(), cudaMemcpyDeviceToDevice);
-    }
-    std::vector<int32_t> pos(c.nt);
-    for (int t = 0; t < c.nt; ++t) pos[t] = c.pos0 + t;
-    auto d_pos = upload(pos);
-    const std::vector<float> q = randn(static_cast<size_t>(qw) * c.nt, seed++, 2.0f);
-    auto dq_a = upload(q), dq_b = upload(q);
-    auto dk = upload(randn(static_cast<size_t>(kw) * c.nt, seed++, 1.5f));
-    auto dv = upload(randn(static_cast<size_t>(kw) * c.nt, seed++, 1.0f));
-    auto dqn = upload(randn(hd, seed++)), dkn = upload(randn(hd, seed++));
-    const int aw = c.n_head * hd;
-    const size_t qrow = aw % 256 == 0 ? row_bytes(DType::Q8_K, aw) : 0;
-    Dev out_a(static_cast<size_t>(aw) * c.nt * 4), out_b(out_a.size()), oq_a(qrow * c.nt), oq_b(qrow * c.nt);
-    const int n_kv_max = c.graph ? n_ctx : n_keys;
-    Dev scr_a(attention_scratch_bytes(c.nt, n_kv_max, c.n_head, hd)), scr_b(scr_a.size());
-    cudaMemset(scr_a.as(), 0, scr_a.size());
-    cudaMemset(scr_b.as(), 0, scr_b.size());
-    const float base = 1000000.0f, eps = 1e-6f, scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    const int32_t* pos_dev = c.graph ? d_pos->as<int32_t>() : nullptr;
-    qk_norm_rope_store(dq_a->as<float>(), qw, dk->as<float>(), kw, dv->as<float>(), kw, dqn->as<float>(),
-                       dkn->as<float>(), kv_a, d_pos->as<int32_t>(), c.nt, c.n_head, nkv, hd, hd, c.n_rot, base, 1.0f,
-                       eps, s());
-    const bool q_a = attention(dq_a->as<float>(), qw, kv_a, c.pos0, pos_dev, c.nt, n_kv_max, c.n_head, nkv, hd, hd,
-                               scale, out_a.as<float>(), aw, scr_a.as(), scr_a.size(), s(), qrow ? oq_a.as() : nullptr);
-    const AttnRope rope{dk->as<float>(), kw, dv->as<float>(), kw, dqn->as<float>(), dkn->as<float>(),
-                        c.n_rot, base, 1.0f, eps};
-    // (The fallback needs the positions on the device: give them to every call but the graph cases'.)
-    const bool q_b = attention(dq_b->as<float>(), qw, kv_b, c.pos0, d_pos->as<int32_t>(), c.nt,
-                               c.graph ? n_kv_max : n_keys, c.n_head, nkv, hd, hd, scale, out_b.as<float>(), aw,
-                               scr_b.as(), scr_b.size(), s(), qrow ? oq_b.as() : nullptr, &rope);
-    sync();
-    ASSERT_EQ(q_a, q_b);
-    auto ga = out_a.down<float>(static_cast<size_t>(aw) * c.nt), gb = out_b.down<float>(static_cast<size_t>(aw) * c.nt);
-    for (size_t i = 0; i < ga.size(); ++i) {
-      ASSERT_FALSE(is_poison(gb[i])) << "output " << i << " not written";
-      ASSERT_EQ(bits(ga[i]), bits(gb[i])) << "output " << i;
-    }
-    if (q_a) {
-      ASSERT_EQ(oq_a.down<uint8_t>(oq_a.size()), oq_b.down<uint8_t>(oq_b.size())) << "Q8_K output";
-    }
-    ASSERT_EQ(kc_a.down<uint8_t>(kc_a.size()), kc_b.down<uint8_t>(kc_b.size())) << "K cache";
-    ASSERT_EQ(vc_a.down<uint8_t>(vc_a.size()), vc_b.down<uint8_t>(vc_b.size())) << "V cache";
-  }
 }
 
 TEST_F(GpuOps, AttentionPrefill) {
