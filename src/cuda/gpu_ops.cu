@@ -968,95 +968,17 @@ __global__ void __launch_bounds__(MAXK * 32, 2) mmvq_combine_staged_kernel(const
 }
 
 
-// One token's down + combine without a quantized copy of g (one launch fewer): each warp j makes the
-// routing itself from the router's logits before the wait (route_choose, as the gate+up kernel that
-// writes g does: the same choices and renormalised weights, bit for bit), stages slot j's ROWS rows
-// as mmvq_combine_staged_kernel does, and after the wait takes the dot products with g itself in
-// floats (the rows dequantized exactly as deq_part, each product fma'd in order over the part, the
-// parts' sums added by warp_sum). The logits are final before the wait (written two kernels back); g
-// is the kernel before's output. Every expert on the device in id order (no slot map).
-template <DType T, int MAXK, int ROWS>
-__global__ void __launch_bounds__(MAXK * 32, 2) mmvq_combine_f32_kernel(const MvArgs a, const float* __restrict__ g,
-                                                                        int64_t ld_g, int stage_bytes) {
-  using W = WT<T>;
-  constexpr int P = W::kQK / 32;
-  extern __shared__ __align__(16) uint8_t wsm[];
-  __shared__ float v[MAXK][ROWS];
-  __shared__ float wt_sh[MAXK];
-  const int j = threadIdx.x >> 5, lane = threadIdx.x & 31, k = a.route_k;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * ROWS;
-  uint8_t* mine = wsm + static_cast<size_t>(j) * stage_bytes;
-  float my_w;
-  int my_i;
-  route_choose(a.route_logits, a.route_n, k, my_w, my_i);
-  if (j == 0) {  // the renormalised weights, as write_renormalised
-    double ws = 0.0;
-#pragma unroll 8
-    for (int i = 0; i < k; ++i) ws += static_cast<double>(__shfl_sync(kFull, my_w, i));
-    const float s = fmaxf(static_cast<float>(ws), 6.103515625e-5f);
-    if (lane < k) wt_sh[lane] = __fdiv_rn(my_w, s);
-  }
-  const int e = __shfl_sync(kFull, my_i, j);
-  const bool ok = j < k && e >= 0 && e < a.n_mats;  // (no choice, which NaN logits leave: INT_MAX)
-  if (ok)
-    stage_rows(mine, a.w + static_cast<size_t>(e) * a.mat_bytes + row0 * a.row_bytes,
-               static_cast<int>(ROWS * a.row_bytes / 16), lane);
-  pdl_enter();
-  if (j < k) {
-    if (!ok) {
-      if (lane < ROWS) v[j][lane] = __int_as_float(0x7fc00000);
-    } else {
-      stage_collect();
-      const float* x = g + static_cast<int64_t>(j) * ld_g;
-      const int64_t nparts = a.cols / 32;
-      float acc[ROWS];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
-      for (int64_t part = lane; part < nparts; part += 32) {
-        float xv[32];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const float4 q = *reinterpret_cast<const float4*>(x + part * 32 + 4 * i);
-          xv[4 * i] = q.x, xv[4 * i + 1] = q.y, xv[4 * i + 2] = q.z, xv[4 * i + 3] = q.w;
-        }
-        const int64_t blk = part / P;
-        const int p = static_cast<int>(part % P);
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-          WPart w;
-          W::decode(mine + r * a.row_bytes + blk * W::kBytes, p, w);
-          float y[32];
-          deq_part<T>(w, y);
-#pragma unroll
-          for (int i = 0; i < 32; ++i) acc[r] = __fmaf_rn(y[i], xv[i], acc[r]);
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const float s = warp_sum(acc[r]);
-        if (lane == 0) v[j][r] = s;
-      }
-    }
-  }
-  __syncthreads();
-  const int r = threadIdx.x;
-  if (r >= ROWS) return;
-  float o = __fmul_rn(v[0][r], wt_sh[0]);
-  for (int i = 1; i < k; ++i) o = __fadd_rn(o, __fmul_rn(v[i][r], wt_sh[i]));
-  a.y[row0 + r] = o;
-}
-
-bool exp_on(const char* name) { return experiment(name); }
-
-// Dense rows that mmvq_staged_kernel can stage: one token, whole 16-byte words at aligned bases.
+// Dense rows that mmvq_staged_kernel can stage: one token, whole 16-byte words at aligned bases, a
+// CTA's rows in at most 96 KiB of shared memory.
 bool stageable(const MvArgs& a) {
+  constexpr size_t kMaxRow = 96 * 1024 / kMvWarps;
   if (a.ids || a.w2 || a.n_tokens != 1) return false;
   if (a.n_seg) {
     for (int i = 0; i < a.n_seg; ++i)
-      if (a.seg_row_bytes[i] % 16 != 0 || !aligned(a.seg_w[i], 16)) return false;
+      if (a.seg_row_bytes[i] % 16 != 0 || a.seg_row_bytes[i] > kMaxRow || !aligned(a.seg_w[i], 16)) return false;
     return true;
   }
-  return a.row_bytes % 16 == 0 && aligned(a.w, 16);
+  return a.row_bytes % 16 == 0 && a.row_bytes <= kMaxRow && aligned(a.w, 16);
 }
 
 template <DType T, int NT, DType T2 = T>
@@ -1079,9 +1001,10 @@ void launch_mvq(const MvArgs& a, unsigned n_slots, cudaStream_t s) {
     launch(mmvq_kernel<T, 1, 2, true>, grid, kMvWarps * 32, 0, s, a);
     return;
   }
-  // (Matrices of more than 64 MiB, i.e. the output head, are a switch of their own: many waves.)
-  if (stageable(a) && exp_on(static_cast<double>(a.rows) * a.row_bytes > 64.0 * 1024 * 1024 ? "stage_head"
-                                                                                              : "stage_dense")) {
+  // One token: each warp's row staged in shared memory before the wait. Measured on the H200, all-GPU
+  // decode tg128: 428.1 / 429.9 tok/s against 426.3 / 421.5 (the q,k,v and attention output products
+  // gain; the output head, many waves long, neither gains nor loses: 426.7 / 425.9 with it alone).
+  if (stageable(a)) {
     MvArgs b = a;
     unsigned ctas = blocks_for(b.rows, kMvWarps);
     size_t widest = b.row_bytes;
@@ -1770,7 +1693,6 @@ struct AttnArgs {
   unsigned* counters;  // short decode: a zero-initialised counter per (token, kv head)
   uint8_t* out_q;      // short decode: the output also in Q8_K (rows of n_head * hdv values), or null
   int chunk_min;       // short decode: keys per chunk at least (a multiple of 8, at most kChunkMax)
-  bool stage_k;        // short decode: the chunk's first keys of earlier steps staged in shared memory
 };
 
 constexpr int kDecodeMaxTokens = 8;    // attention with at most this many queries uses a decode kernel
@@ -2044,25 +1966,15 @@ __device__ __forceinline__ int group_chunk_len(int nvis, int chunk_min) {
   return per > chunk_min ? per : chunk_min;
 }
 
-constexpr int kStageKeys = 32;  // keys of a chunk staged in shared memory before the wait, at most
 struct GroupSmem {  // dynamic shared memory of attn_dec_group_kernel, in floats
-  int qs, S, red, kst, total;
-  // key_floats: a cached key's size in floats when keys are staged, else 0
-  __host__ __device__ GroupSmem(int group, int hdp, int hdv, int key_floats) {
+  int qs, S, red, total;
+  __host__ __device__ GroupSmem(int group, int hdp, int hdv) {
     qs = 0;
     S = group * hdp;
     red = S + group * (kChunkMax > hdv ? kChunkMax : hdv);
-    kst = red + group * kGroupThreads + 4 * group;  // partial outputs, then max / 1/sum per head
-    total = kst + kStageKeys * key_floats;          // then the staged keys
+    total = red + group * kGroupThreads + 4 * group;  // partial outputs, then max / 1/sum per head
   }
 };
-// How many of the chunk's keys are staged: those before the first new one (the launch's tokens' keys
-// are written by the kernel before), at most kStageKeys.
-__device__ __forceinline__ int staged_keys(const AttnArgs& a, int j0, int nk) {
-  if (!a.stage_k) return 0;
-  const int before = attn_pos0(a) - j0;
-  return max(0, min(before, min(nk, kStageKeys)));
-}
 
 // Arrive at the group's counter and wait until `target` CTAs have (thread 0 spins; the block waits at
 // the barrier): the CTAs' global writes before it are visible to each other after it.
@@ -2109,8 +2021,6 @@ __global__ void __launch_bounds__(kGroupThreads) attn_dec_group_kernel(const Att
   const size_t key_bytes = static_cast<size_t>(a.hd) * sizeof(T), krow_bytes = static_cast<size_t>(nkv) * key_bytes;
   const int nvis = min(attn_pos0(a) + t + 1, a.keys_max);  // (the position: copied before the step's first kernel)
   const GroupMap gm = group_map(a, nvis, blockIdx.x);
-  const GroupSmem L(gm.G, a.hdp, a.hdv, a.stage_k ? static_cast<int>(key_bytes / 4) : 0);
-  uint8_t* kst = reinterpret_cast<uint8_t*>(sm + L.kst);  // [kStageKeys][hd] staged keys
   if (gm.active && nvis <= kShortKeys) {
     // While the kernel before finishes, this chunk's cached keys and values (written by earlier steps)
     // go into L2.
@@ -2121,11 +2031,6 @@ __global__ void __launch_bounds__(kGroupThreads) attn_dec_group_kernel(const Att
       prefetch_l2(kb + static_cast<size_t>(i / lk) * krow_bytes + (i % lk) * 128, 1, 0, 1);
     for (int i = tid; i < a.hdv * lv; i += kGroupThreads)
       prefetch_l2(vb + static_cast<size_t>(i / lv) * a.n_ctx * sizeof(T) + (i % lv) * 128, 1, 0, 1);
-    // The first keys (written by earlier steps) into shared memory meanwhile, as whole 16-byte words.
-    const int ns = staged_keys(a, gm.j0, gm.nk), w16 = static_cast<int>(key_bytes / 16);
-    for (int i = tid; i < ns * w16; i += kGroupThreads)
-      cp_async_16(kst + static_cast<size_t>(i) * 16, kb + static_cast<size_t>(i / w16) * krow_bytes + (i % w16) * 16);
-    cp_async_commit();
   }
   pdl_enter();
   if (nvis > kShortKeys) {  // the caller chose the wrong variant: say so loudly, never silently
@@ -2144,7 +2049,7 @@ __global__ void __launch_bounds__(kGroupThreads) attn_dec_group_kernel(const Att
   if (!gm.active) return;  // (uniform per group: these CTAs take no part in its barriers)
   const int G = gm.G, c = gm.ch, n_act = gm.n_act, j0 = gm.j0, nk = gm.nk;  // this CTA's heads and keys
   const bool alone = n_act == 1;  // one chunk: no barriers, no partial outputs
-  const int ns = staged_keys(a, j0, nk);
+  const GroupSmem L(G, a.hdp, a.hdv);
   float* qs = sm + L.qs;    // [G][hdp] the heads' queries, rounded to the cache type
   float* S = sm + L.S;      // [G][kChunkMax] scores, then P
   float* red = sm + L.red;  // [P parts][G][hdv] partial outputs
@@ -2179,7 +2084,6 @@ __global__ void __launch_bounds__(kGroupThreads) attn_dec_group_kernel(const Att
     const int i = e / a.hdp, x = e % a.hdp;
     qs[e] = x < a.hd ? round_cache<T>(a.q[t * a.ld_q + static_cast<int64_t>(row0 + i) * a.hd + x]) : 0.0f;
   }
-  cp_async_wait();  // (this thread's staged keys; the barrier makes them everyone's)
   __syncthreads();
   // Scores: a quad per key, each key's quarter in registers for the G dot products.
   {
@@ -2190,9 +2094,7 @@ __global__ void __launch_bounds__(kGroupThreads) attn_dec_group_kernel(const Att
       const int jj = jj0 + kq;
       const bool valid = jj < nk;
       float2 kv[MAXM][2];
-      const T* kr = jj < ns ? reinterpret_cast<const T*>(kst) + static_cast<size_t>(jj) * a.hd
-                            : kbase + static_cast<size_t>(valid ? j0 + jj : 0) * krow;
-      load_key_quad<T, MAXM>(kr, cq, nm, a.hd, valid, kv);
+      load_key_quad<T, MAXM>(kbase + static_cast<size_t>(valid ? j0 + jj : 0) * krow, cq, nm, a.hd, valid, kv);
       for (int i = 0; i < G; ++i) {
         const float sc = __fmul_rn(dot_key_quad<MAXM>(kv, qs + i * a.hdp + 2 * cq, nm), a.scale);
         if (valid && cq == 0) S[i * kChunkMax + jj] = sc;
@@ -2786,8 +2688,7 @@ using AttnKernel = void (*)(AttnArgs);
 template <typename T>
 AttnKernel group_kernel(const AttnArgs& a, size_t* smem) {
   if (a.n_tokens > kDecodeMaxTokens || a.pos0 + a.n_tokens > kShortKeys || a.hdp > 256 || a.group > 16) return nullptr;
-  *smem = static_cast<size_t>(GroupSmem(a.group, a.hdp, a.hdv, a.stage_k ? a.hd * static_cast<int>(sizeof(T)) / 4 : 0).total) *
-          sizeof(float);
+  *smem = static_cast<size_t>(GroupSmem(a.group, a.hdp, a.hdv).total) * sizeof(float);
   const AttnKernel k = a.hdp <= 128 ? (a.group <= 8 ? attn_dec_group_kernel<T, 8, 8> : attn_dec_group_kernel<T, 8, 16>)
                                     : (a.group <= 8 ? attn_dec_group_kernel<T, 16, 8> : attn_dec_group_kernel<T, 16, 16>);
   need_smem(k, *smem, "attention");
@@ -2799,7 +2700,6 @@ AttnKernel group_kernel(const AttnArgs& a, size_t* smem) {
 // when each group's span of the output is whole 256-value blocks).
 template <typename T>
 bool launch_attention(AttnArgs& a, void* scratch, size_t scratch_bytes, cudaStream_t s) {
-  a.stage_k = exp_on("attn_stage") && (a.hd * sizeof(T)) % 16 == 0 && aligned(a.k, 16);
   size_t gsmem = 0;
   if (const AttnKernel gk = group_kernel<T>(a, &gsmem)) {
     const DecodeLayout d = decode_layout(a.n_tokens, a.keys_max, a.n_head, a.hdv);
@@ -3235,29 +3135,6 @@ void matvec_experts_glu_routed(const DevMatrix& gate, const DevMatrix& up, const
   launched("matvec_experts_glu_routed");
 }
 
-bool matvec_experts_combine_f32(const DevMatrix& w, const float* logits, int n_expert, int k, const float* g,
-                                int64_t ld_g, float* y, Stream s) {
-  constexpr int kRows = 8;
-  if (k <= 0 || k > 8 || n_expert > kRouteInExpertsMax || is_float_type(w.type) || w.n_mats < n_expert ||
-      w.rows % kRows != 0 || (kRows * w.row_bytes) % 16 != 0 || w.mat_bytes % 16 != 0 || !aligned(w.data, 16) ||
-      w.cols % 32 != 0 || ld_g % 4 != 0 || !aligned(g, 16))
-    return false;
-  MvArgs a = mv_args(w, nullptr, 1, y, 0, "matvec_experts_combine_f32");
-  a.route_logits = logits;
-  a.route_n = n_expert;
-  a.route_k = k;
-  const dim3 grid(static_cast<unsigned>(w.rows / kRows));
-  const size_t stage = kRows * w.row_bytes, smem = 8 * stage;
-  const cudaStream_t st = cs(s);
-  with_quant_type(w.type, "matvec_experts_combine_f32", [&](auto T) {
-    auto kern = mmvq_combine_f32_kernel<decltype(T)::value, 8, kRows>;
-    need_smem(kern, smem, "matvec_experts_combine_f32");
-    launch(kern, grid, 8 * 32, smem, st, a, g, ld_g, static_cast<int>(stage));
-  });
-  launched("matvec_experts_combine_f32");
-  return true;
-}
-
 void matvec_experts(const DevMatrix& w, const int32_t* ids, const int32_t* slot_of, int n_slots, const void* acts,
                     const int32_t* act_row, float* y, int64_t ld_y, Stream s) {
   if (n_slots <= 0) return;
@@ -3276,9 +3153,14 @@ void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_
   a.ids = ids;
   a.slot_of = slot_of;
   const cudaStream_t st = cs(s);
+  // Without a slot map (every expert on the GPU in id order) the chosen rows are staged in shared
+  // memory before the wait: the choices are final then, and the rows arrive while the kernel before
+  // (g's Q8_K) runs. Measured on the H200, all-GPU decode tg128: 438.4 / 438.6 tok/s against 426.3 /
+  // 421.5 (the L2 hint of mmvq_combine_kernel), and with the dense rows staged too 440.7 / 441.8
+  // against 424.5 / 427.4.
   constexpr int kStagedRows = 8;
-  if (exp_on("stage_down") && !slot_of && w.rows % kStagedRows == 0 && (kStagedRows * w.row_bytes) % 16 == 0 &&
-      w.mat_bytes % 16 == 0 && aligned(w.data, 16)) {
+  if (!slot_of && w.rows % kStagedRows == 0 && (kStagedRows * w.row_bytes) % 16 == 0 && w.mat_bytes % 16 == 0 &&
+      aligned(w.data, 16) && 8 * kStagedRows * w.row_bytes <= 160 * 1024) {
     const dim3 grid(static_cast<unsigned>(w.rows / kStagedRows), static_cast<unsigned>(n_tokens));
     const size_t stage = kStagedRows * w.row_bytes, smem = 8 * stage;
     with_quant_type(w.type, "matvec_experts_combine", [&](auto T) {
@@ -3580,16 +3462,6 @@ void moe_combine(const float* y, const float* weights, int n_tokens, int k, int 
   if (n_tokens > 65535) fail("moe_combine: too many tokens");
   launch(moe_combine_kernel, dim3(blocks_for(n, 256), n_tokens), 256, 0, cs(s), y, weights, k, n, out);
   launched("moe_combine");
-}
-
-// Experiment switches (FITMOE_EXP=name,name): temporary, for A/B runs on the GPU machine.
-bool experiment(const char* name) {
-  static const std::string list = [] {
-    std::string v = std::getenv("FITMOE_EXP") ? std::getenv("FITMOE_EXP") : "";
-    std::replace(v.begin(), v.end(), ',', ' ');
-    return " " + v + " ";
-  }();
-  return list.find(" " + std::string(name) + " ") != std::string::npos;
 }
 
 }  // namespace fitmoe::gpu

@@ -109,13 +109,6 @@ constexpr int kRouteInExpertsMax = 256;
 void matvec_experts_glu_routed(const DevMatrix& gate, const DevMatrix& up, const float* logits, int n_expert, int k,
                                int32_t* ids, float* weights, const int32_t* slot_of, const void* acts, float* y,
                                int64_t ld_y, Stream s);
-// One token's down + combine straight from g in floats (no Q8_K copy of it: one launch fewer), the
-// routing made again from the router's logits (the same choices and weights as
-// matvec_experts_glu_routed's): y = sum_j wts[j] * (down_{e_j} g_j), the rows dequantized exactly and
-// each dot product in float. Every expert on the device in id order. Returns false (launching
-// nothing) where the shape does not suit the kernel.
-bool matvec_experts_combine_f32(const DevMatrix& w, const float* logits, int n_expert, int k, const float* g,
-                                int64_t ld_g, float* y, Stream s);
 // dst[dst_rows ? dst_rows[i] : i] = src[src_rows ? src_rows[i] : i] for i < n rows of `width` floats.
 // Hybrid decode, the GPU side of the hand-over from the CPU's experts, with their combination: waits
 // until *host_flag (pinned host memory, device view) equals *epoch (device), then for each token
@@ -181,10 +174,6 @@ size_t attention_scratch_bytes(int n_tokens, int n_kv_max, int n_head, int head_
 // A launch captured in a CUDA graph keeps its variant, so a graph captured when n_keys (pos0 + n_tokens)
 // had one variant must be captured again when it changes.
 int attention_decode_variant(int n_keys);
-
-// Experiment switches (FITMOE_EXP=name,name in the environment): temporary, for A/B runs on the GPU
-// machine; each is removed once measured.
-bool experiment(const char* name);
 
 // Keeps the stream busy for about `microseconds` (the op profiler queues a step's work behind it, so
 // the times between its events are the kernels' own, not the host's launch rate).

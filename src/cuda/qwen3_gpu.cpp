@@ -782,15 +782,6 @@ class Qwen3Gpu final : public GpuRunner {
     }
     prof_.mark("experts gate+up", stream_);
     const DevMatrix& down = X.n_dev > 0 ? X.down : X.host_down;
-    // One token, every expert on the GPU: the down kernel reads g itself (no Q8_K copy of it) and
-    // routes again from the logits (the choices in st.ids are the kernel before's, not yet final when
-    // it starts).
-    if (routed_by_experts && !X.decode_slot_of() && gpu::experiment("down_f32") &&
-        gpu::matvec_experts_combine_f32(X.down, st.rlogits, c.n_expert, k, st.g, ff, st.y, stream_)) {
-      st.ffn_out_combined = true;
-      prof_.mark("experts down", stream_);
-      return;
-    }
     acts = vec_acts(st, down.type, st.g, n_slots, ff);
     if (X.n_dev == c.n_expert && k <= 8 && !is_float_type(X.down.type)) {
       // Every expert on the GPU: the down products combine straight into st.y.
