@@ -520,10 +520,6 @@ __global__ void __launch_bounds__(kMvWarps * 32) mmvq_kernel(const MvArgs a) {
   mmvq_rows<T, NT, R, GLU>(a, wm, wm2, row_bytes, acts, y, rows, ld_y, row0, lane);
 }
 
-// Weight rows staged in shared memory: n16 16-byte words from src (global, never written by a kernel)
-// to dst (shared), the warp's lanes strided. From compute capability 8.0 the copy is asynchronous
-// (cp.async, no registers held), so a kernel can start it before its PDL wait and collect it after
-// (stage_collect); before 8.0 it goes through registers.
 // 16 bytes from global to shared memory, asynchronously from compute capability 8.0 (cp.async: no
 // registers held until cp_async_wait), through registers before; a thread's copies are complete and
 // visible to it after cp_async_wait, to its block after a barrier that follows.
@@ -546,6 +542,9 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_all;" ::: "memory");
 #endif
 }
+// Weight rows staged in shared memory: n16 16-byte words from src (global, final before the kernel's
+// PDL wait) to dst (shared), the warp's lanes strided. Asynchronous from compute capability 8.0, so a
+// kernel starts it before its wait and collects it after (stage_collect).
 __device__ __forceinline__ void stage_rows(void* dst, const void* src, int n16, int lane) {
   for (int i = lane; i < n16; i += 32)
     cp_async_16(static_cast<uint8_t*>(dst) + 16 * i, static_cast<const uint8_t*>(src) + 16 * static_cast<size_t>(i));
@@ -966,7 +965,6 @@ __global__ void __launch_bounds__(MAXK * 32, 2) mmvq_combine_staged_kernel(const
   for (int i = 1; i < k; ++i) o = __fadd_rn(o, __fmul_rn(v[i][r], wt_sh[i]));
   a.y[t * a.ld_y + row0 + r] = o;
 }
-
 
 // Dense rows that mmvq_staged_kernel can stage: one token, whole 16-byte words at aligned bases, a
 // CTA's rows in at most 96 KiB of shared memory.
