@@ -480,19 +480,35 @@ __device__ __forceinline__ void mmvq_rows(const MvArgs& a, const uint8_t* wm, co
   }
 }
 
+// This CTA's segment of a matvec_multi launch (sg = -1 without segments), its CTA index within it, and
+// the segment's rows and row size.
+struct MvSegment {
+  int sg;
+  unsigned bx;
+  int64_t rows;
+  size_t row_bytes;
+};
+__device__ __forceinline__ MvSegment mv_segment(const MvArgs& a) {
+  MvSegment m{-1, blockIdx.x, a.rows, a.row_bytes};
+  if (a.n_seg) {
+    m.sg = 0;
+    while (m.sg + 1 < a.n_seg && m.bx >= a.seg_cta[m.sg + 1]) ++m.sg;
+    m.bx -= a.seg_cta[m.sg];
+    m.rows = a.seg_rows[m.sg];
+    m.row_bytes = a.seg_row_bytes[m.sg];
+  }
+  return m;
+}
+
 // The kernel around mmvq_rows: resolves the segment (matvec_multi) or the expert slot. Segments flagged
 // seg_alt hold type T2 (another type with the same activation format, e.g. Q6_K v beside Q4_K q and k).
 template <DType T, int NT, int R, bool GLU = false, DType T2 = T>
 __global__ void __launch_bounds__(kMvWarps * 32) mmvq_kernel(const MvArgs a) {
-  int sg = -1;  // matvec_multi: this CTA's segment
-  unsigned bx = blockIdx.x;
-  if (a.n_seg) {
-    sg = 0;
-    while (sg + 1 < a.n_seg && bx >= a.seg_cta[sg + 1]) ++sg;
-    bx -= a.seg_cta[sg];
-  }
-  const int64_t rows = sg >= 0 ? a.seg_rows[sg] : a.rows;
-  const size_t row_bytes = sg >= 0 ? a.seg_row_bytes[sg] : a.row_bytes;
+  const MvSegment seg = mv_segment(a);
+  const int sg = seg.sg;
+  const unsigned bx = seg.bx;
+  const int64_t rows = seg.rows;
+  const size_t row_bytes = seg.row_bytes;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row0 = (static_cast<int64_t>(bx) * kMvWarps + warp) * R;
   if (!a.ids && row0 < rows)  // dense weights are known before the input is: fetch them meanwhile
@@ -564,18 +580,13 @@ __device__ __forceinline__ void stage_collect() {
 template <DType T, DType T2 = T>
 __global__ void __launch_bounds__(kMvWarps * 32) mmvq_staged_kernel(const MvArgs a, int stage_bytes) {
   extern __shared__ __align__(16) uint8_t wsm[];
-  int sg = -1;
-  unsigned bx = blockIdx.x;
-  if (a.n_seg) {
-    sg = 0;
-    while (sg + 1 < a.n_seg && bx >= a.seg_cta[sg + 1]) ++sg;
-    bx -= a.seg_cta[sg];
-  }
-  const int64_t rows = sg >= 0 ? a.seg_rows[sg] : a.rows;
-  const size_t row_bytes = sg >= 0 ? a.seg_row_bytes[sg] : a.row_bytes;
+  const MvSegment seg = mv_segment(a);
+  const int sg = seg.sg;
+  const int64_t rows = seg.rows;
+  const size_t row_bytes = seg.row_bytes;
   const uint8_t* w = sg >= 0 ? a.seg_w[sg] : a.w;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(bx) * kMvWarps + warp;
+  const int64_t row = static_cast<int64_t>(seg.bx) * kMvWarps + warp;
   uint8_t* mine = wsm + static_cast<size_t>(warp) * stage_bytes;
   if (row < rows) stage_rows(mine, w + row * row_bytes, static_cast<int>(row_bytes / 16), lane);
   pdl_enter();
@@ -979,16 +990,20 @@ bool stageable(const MvArgs& a) {
   return a.row_bytes % 16 == 0 && a.row_bytes <= kMaxRow && aligned(a.w, 16);
 }
 
+// The CTAs of a launch of rows_per_cta rows each: with segments (matvec_multi) each segment's first
+// CTA goes into seg_cta.
+unsigned place_segments(MvArgs& a, int rows_per_cta) {
+  if (!a.n_seg) return blocks_for(a.rows, rows_per_cta);
+  a.seg_cta[0] = 0;
+  for (int i = 0; i < a.n_seg; ++i) a.seg_cta[i + 1] = a.seg_cta[i] + blocks_for(a.seg_rows[i], rows_per_cta);
+  return a.seg_cta[a.n_seg];
+}
+
 template <DType T, int NT, DType T2 = T>
 void launch_mvq_nt(const MvArgs& a0, unsigned n_slots, cudaStream_t s) {
   constexpr int R = NT == 1 ? 1 : 2;
   MvArgs a = a0;
-  unsigned ctas = blocks_for(a.rows, kMvWarps * R);
-  if (a.n_seg) {
-    a.seg_cta[0] = 0;
-    for (int i = 0; i < a.n_seg; ++i) a.seg_cta[i + 1] = a.seg_cta[i] + blocks_for(a.seg_rows[i], kMvWarps * R);
-    ctas = a.seg_cta[a.n_seg];
-  }
+  const unsigned ctas = place_segments(a, kMvWarps * R);
   launch(mmvq_kernel<T, NT, R, false, T2>, dim3(ctas, n_slots), kMvWarps * 32, 0, s, a);
 }
 template <DType T, DType T2 = T>
@@ -1004,17 +1019,9 @@ void launch_mvq(const MvArgs& a, unsigned n_slots, cudaStream_t s) {
   // gain; the output head, many waves long, neither gains nor loses: 426.7 / 425.9 with it alone).
   if (stageable(a)) {
     MvArgs b = a;
-    unsigned ctas = blocks_for(b.rows, kMvWarps);
-    size_t widest = b.row_bytes;
-    if (b.n_seg) {
-      b.seg_cta[0] = 0;
-      widest = 0;
-      for (int i = 0; i < b.n_seg; ++i) {
-        b.seg_cta[i + 1] = b.seg_cta[i] + blocks_for(b.seg_rows[i], kMvWarps);
-        widest = std::max(widest, b.seg_row_bytes[i]);
-      }
-      ctas = b.seg_cta[b.n_seg];
-    }
+    const unsigned ctas = place_segments(b, kMvWarps);
+    size_t widest = b.n_seg ? 0 : b.row_bytes;
+    for (int i = 0; i < b.n_seg; ++i) widest = std::max(widest, b.seg_row_bytes[i]);
     const size_t smem = kMvWarps * widest;
     need_smem(mmvq_staged_kernel<T, T2>, smem, "matvec (staged rows)");
     launch(mmvq_staged_kernel<T, T2>, dim3(ctas, n_slots), kMvWarps * 32, smem, s, b, static_cast<int>(widest));
