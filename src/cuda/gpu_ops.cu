@@ -573,10 +573,10 @@ __device__ __forceinline__ void stage_collect() {
 }
 
 // Dense quantized weights, one token, one row per warp, the row staged in shared memory before the
-// PDL wait (stage_rows): after the wait only the activations are read from global memory, and the
-// weights arrive in whole 16-byte words whatever the block layout (Q6_K's 210-byte blocks otherwise
-// take 18 word loads per part). Rows of a multiple of 16 bytes at 16-byte aligned bases (the launcher
-// checks); segments as mmvq_kernel.
+// PDL wait (stage_rows): after the wait only the activations are read from global memory (the rows
+// come in whole 16-byte words whatever the block layout; they are decoded from shared memory as
+// mmvq_kernel decodes them from global). Rows of a multiple of 16 bytes at 16-byte aligned bases (the
+// launcher checks); segments as mmvq_kernel.
 template <DType T, DType T2 = T>
 __global__ void __launch_bounds__(kMvWarps * 32) mmvq_staged_kernel(const MvArgs a, int stage_bytes) {
   extern __shared__ __align__(16) uint8_t wsm[];
