@@ -160,6 +160,30 @@ __device__ __forceinline__ void load_act(const uint8_t* row, int64_t blk, int p,
   }
 }
 
+// The mat-vec's part p of a weight block and of the activation block beside it: WT<T>::decode and
+// load_act, except for Q6_K, whose mat-vec parts are its decode_mv layout (positions l0..l0+7 of
+// each of a half's four groups; the activation's same 32 values, as four runs of 8 bytes).
+template <DType T>
+__device__ __forceinline__ void mv_decode(const uint8_t* b, int p, WPart& w) {
+  if constexpr (T == DType::Q6_K) WT<T>::decode_mv(b, p, w);
+  else WT<T>::decode(b, p, w);
+}
+template <DType T>
+__device__ __forceinline__ void mv_load_act(const uint8_t* row, int64_t blk, int p, APart& x) {
+  if constexpr (T == DType::Q6_K) {
+    const uint8_t* b = row + blk * 292;
+    x.d = *reinterpret_cast<const float*>(b);
+    const uint8_t* qs = b + 4 + 128 * (p >> 2) + 8 * (p & 3);
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      x.a[2 * g] = ld_i32<4>(qs + 32 * g);
+      x.a[2 * g + 1] = ld_i32<4>(qs + 32 * g + 4);
+    }
+  } else {
+    load_act<WT<T>::kFam>(row, blk, p, x);
+  }
+}
+
 // Q8_K: one warp per 256-value block xb, 8 consecutive values per lane, into the 292-byte block blk.
 __device__ __forceinline__ void quantize_q8k_block(const float* xb, uint8_t* blk, int lane) {
   xb += 8 * lane;
@@ -215,7 +239,18 @@ template <DType T>
 __device__ __forceinline__ float block_dot(const WPart& w, const APart& x, int p, bool active, float acc) {
   using W = WT<T>;
   constexpr int P = W::kQK / 32;
-  if constexpr (W::kFam == kFamQ8_K) {
+  if constexpr (T == DType::Q6_K) {  // the decode_mv layout: unsigned codes, a scale per 8-value group
+    int is = 0;
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      const int s = __dp4a(w.q[2 * g + 1], x.a[2 * g + 1], __dp4a(w.q[2 * g], x.a[2 * g], 0));
+      const int o = __dp4a(0x20202020, x.a[2 * g + 1], __dp4a(0x20202020, x.a[2 * g], 0));  // the codes' 32
+      is += w.gs[g] * (s - o);
+    }
+#pragma unroll
+    for (int o = P / 2; o > 0; o >>= 1) is += __shfl_xor_sync(kFull, is, o);
+    if (active && p == 0) acc = __fmaf_rn(static_cast<float>(is), __fmul_rn(w.d, x.d), acc);
+  } else if constexpr (W::kFam == kFamQ8_K) {
     int s0 = 0, s1 = 0;
 #pragma unroll
     for (int i = 0; i < 4; ++i) s0 = __dp4a(w.q[i], x.a[i], s0);
@@ -434,13 +469,15 @@ __device__ __forceinline__ void mmvq_rows(const MvArgs& a, const uint8_t* wm, co
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (active && row0 + r < rows) {
-        W::decode(wm + (row0 + r) * row_bytes + blk * W::kBytes, p, w[r]);
-        if constexpr (GLU) W::decode(wm2 + (row0 + r) * row_bytes + blk * W::kBytes, p, w2[r]);
+        mv_decode<T>(wm + (row0 + r) * row_bytes + blk * W::kBytes, p, w[r]);
+        if constexpr (GLU) mv_decode<T>(wm2 + (row0 + r) * row_bytes + blk * W::kBytes, p, w2[r]);
       } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i) w[r].q[i] = 0;
         w[r].d = w[r].m = 0.0f;
         w[r].sc0 = w[r].sc1 = w[r].mn0 = w[r].mn1 = 0;
+#pragma unroll
+        for (int g = 0; g < 4; ++g) w[r].gs[g] = 0;
         if constexpr (GLU) w2[r] = w[r];
       }
     }
@@ -449,7 +486,7 @@ __device__ __forceinline__ void mmvq_rows(const MvArgs& a, const uint8_t* wm, co
       if (t < nt) {
         APart x;
         if (active) {
-          load_act<W::kFam>(acts + t * a.act_stride, blk, p, x);
+          mv_load_act<T>(acts + t * a.act_stride, blk, p, x);
         } else {
 #pragma unroll
           for (int i = 0; i < 8; ++i) x.a[i] = 0;
