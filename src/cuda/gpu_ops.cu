@@ -161,11 +161,12 @@ __device__ __forceinline__ void load_act(const uint8_t* row, int64_t blk, int p,
 }
 
 // The mat-vec's part p of a weight block and of the activation block beside it: WT<T>::decode and
-// load_act, except for Q6_K, whose mat-vec parts are its decode_mv layout (positions l0..l0+7 of
-// each of a half's four groups; the activation's same 32 values, as four runs of 8 bytes).
+// load_act, except for Q6_K and Q4_K, whose mat-vec parts are their decode_mv layouts (Q6_K:
+// positions l0..l0+7 of each of a half's four groups, the activation's same 32 values as four runs of
+// 8 bytes; Q4_K: 16 positions of two sub-blocks, two runs of 16 bytes and their two block sums).
 template <DType T>
 __device__ __forceinline__ void mv_decode(const uint8_t* b, int p, WPart& w) {
-  if constexpr (T == DType::Q6_K) WT<T>::decode_mv(b, p, w);
+  if constexpr (T == DType::Q6_K || T == DType::Q4_K) WT<T>::decode_mv(b, p, w);
   else WT<T>::decode(b, p, w);
 }
 template <DType T>
@@ -179,6 +180,18 @@ __device__ __forceinline__ void mv_load_act(const uint8_t* row, int64_t blk, int
       x.a[2 * g] = ld_i32<4>(qs + 32 * g);
       x.a[2 * g + 1] = ld_i32<4>(qs + 32 * g + 4);
     }
+  } else if constexpr (T == DType::Q4_K) {
+    const uint8_t* b = row + blk * 292;
+    x.d = *reinterpret_cast<const float*>(b);
+    const uint8_t* qs = b + 4 + 64 * (p >> 1) + 16 * (p & 1);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      x.a[i] = ld_i32<4>(qs + 4 * i);
+      x.a[i + 4] = ld_i32<4>(qs + 32 + 4 * i);
+    }
+    const int16_t* bs = reinterpret_cast<const int16_t*>(b + 260) + 4 * (p >> 1) + (p & 1);
+    x.bs0 = bs[0];
+    x.bs1 = bs[2];
   } else {
     load_act<WT<T>::kFam>(row, blk, p, x);
   }
@@ -614,7 +627,7 @@ __device__ __forceinline__ void stage_collect() {
 // come in whole 16-byte words whatever the block layout; they are decoded from shared memory as
 // mmvq_kernel decodes them from global). Rows of a multiple of 16 bytes at 16-byte aligned bases (the
 // launcher checks); segments as mmvq_kernel.
-template <DType T, DType T2 = T>
+template <DType T, DType T2 = T, int R = 1>
 __global__ void __launch_bounds__(kMvWarps * 32) mmvq_staged_kernel(const MvArgs a, int stage_bytes) {
   extern __shared__ __align__(16) uint8_t wsm[];
   const MvSegment seg = mv_segment(a);
@@ -623,9 +636,10 @@ __global__ void __launch_bounds__(kMvWarps * 32) mmvq_staged_kernel(const MvArgs
   const size_t row_bytes = seg.row_bytes;
   const uint8_t* w = sg >= 0 ? a.seg_w[sg] : a.w;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(seg.bx) * kMvWarps + warp;
-  uint8_t* mine = wsm + static_cast<size_t>(warp) * stage_bytes;
-  if (row < rows) stage_rows(mine, w + row * row_bytes, static_cast<int>(row_bytes / 16), lane);
+  const int64_t row = (static_cast<int64_t>(seg.bx) * kMvWarps + warp) * R;
+  uint8_t* mine = wsm + static_cast<size_t>(warp) * stage_bytes * R;
+  const int nr = static_cast<int>(rows - row < R ? rows - row : R);
+  if (row < rows) stage_rows(mine, w + row * row_bytes, static_cast<int>(nr * row_bytes / 16), lane);
   pdl_enter();
   if (row >= rows) return;
   float* y = sg >= 0 ? a.seg_y[sg] : a.y;
@@ -633,11 +647,11 @@ __global__ void __launch_bounds__(kMvWarps * 32) mmvq_staged_kernel(const MvArgs
   stage_collect();
   if constexpr (T2 != T) {
     if (sg >= 0 && a.seg_alt[sg]) {
-      mmvq_rows<T2, 1, 1, false>(a, mine, nullptr, row_bytes, a.acts, y + row, 1, ld_y, 0, lane);
+      mmvq_rows<T2, 1, R, false>(a, mine, nullptr, row_bytes, a.acts, y + row, nr, ld_y, 0, lane);
       return;
     }
   }
-  mmvq_rows<T, 1, 1, false>(a, mine, nullptr, row_bytes, a.acts, y + row, 1, ld_y, 0, lane);
+  mmvq_rows<T, 1, R, false>(a, mine, nullptr, row_bytes, a.acts, y + row, nr, ld_y, 0, lane);
 }
 
 // Gated experts that route for themselves (see MvArgs::route_logits): one token, slot blockIdx.y, two
@@ -1014,6 +1028,8 @@ __global__ void __launch_bounds__(MAXK * 32, 2) mmvq_combine_staged_kernel(const
   a.y[t * a.ld_y + row0 + r] = o;
 }
 
+constexpr int64_t kManyRows = 65536;  // a one-token product's rows from which a warp takes two
+
 // Dense rows that mmvq_staged_kernel can stage: one token, whole 16-byte words at aligned bases, a
 // CTA's rows in at most 96 KiB of shared memory.
 bool stageable(const MvArgs& a) {
@@ -1054,6 +1070,16 @@ void launch_mvq(const MvArgs& a, unsigned n_slots, cudaStream_t s) {
   // One token: each warp's row staged in shared memory before the wait. Measured on the H200, all-GPU
   // decode tg128: 428.1 / 429.9 tok/s against 426.3 / 421.5 (the q,k,v and attention output products
   // gain; the output head, many waves long, neither gains nor loses: 426.7 / 425.9 with it alone).
+  // Very many rows (an output head, many waves long): two rows per warp, the activation's loads shared
+  // by both. Measured on the H200, all-GPU decode tg128: 459.0 / 457.9 / 456.7 tok/s against 456.3 /
+  // 453.0 / 455.4 with one.
+  if (!a.n_seg && a.rows > kManyRows && stageable(a) && kMvWarps * 2 * a.row_bytes <= 96 * 1024) {
+    const size_t smem = kMvWarps * 2 * a.row_bytes;
+    need_smem(mmvq_staged_kernel<T, T, 2>, smem, "matvec (staged rows)");
+    launch(mmvq_staged_kernel<T, T, 2>, dim3(blocks_for(a.rows, kMvWarps * 2), n_slots), kMvWarps * 32, smem, s, a,
+           static_cast<int>(a.row_bytes));
+    return;
+  }
   if (stageable(a)) {
     MvArgs b = a;
     const unsigned ctas = place_segments(b, kMvWarps);
