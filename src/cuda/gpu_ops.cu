@@ -1072,22 +1072,22 @@ void launch_mvq(const MvArgs& a, unsigned n_slots, cudaStream_t s) {
   // gain; the output head, many waves long, neither gains nor loses: 426.7 / 425.9 with it alone).
   // Very many rows (an output head, many waves long): two rows per warp, the activation's loads shared
   // by both. Measured on the H200, all-GPU decode tg128: 459.0 / 457.9 / 456.7 tok/s against 456.3 /
-  // 453.0 / 455.4 with one.
-  if (!a.n_seg && a.rows > kManyRows && stageable(a) && kMvWarps * 2 * a.row_bytes <= 96 * 1024) {
-    const size_t smem = kMvWarps * 2 * a.row_bytes;
-    need_smem(mmvq_staged_kernel<T, T, 2>, smem, "matvec (staged rows)");
-    launch(mmvq_staged_kernel<T, T, 2>, dim3(blocks_for(a.rows, kMvWarps * 2), n_slots), kMvWarps * 32, smem, s, a,
-           static_cast<int>(a.row_bytes));
-    return;
-  }
+  // 453.0 / 455.4 with one. Two rows for every staged product (q,k,v, the attention output) as well:
+  // 458.7 / 460.0 / 460.4 against 458.6 / 456.5 / 459.1, within the noise, so those keep one.
   if (stageable(a)) {
     MvArgs b = a;
-    const unsigned ctas = place_segments(b, kMvWarps);
     size_t widest = b.n_seg ? 0 : b.row_bytes;
     for (int i = 0; i < b.n_seg; ++i) widest = std::max(widest, b.seg_row_bytes[i]);
-    const size_t smem = kMvWarps * widest;
-    need_smem(mmvq_staged_kernel<T, T2>, smem, "matvec (staged rows)");
-    launch(mmvq_staged_kernel<T, T2>, dim3(ctas, n_slots), kMvWarps * 32, smem, s, b, static_cast<int>(widest));
+    const bool two = !b.n_seg && b.rows > kManyRows && kMvWarps * 2 * widest <= 96 * 1024;
+    const unsigned ctas = place_segments(b, kMvWarps * (two ? 2 : 1));
+    const size_t smem = kMvWarps * (two ? 2 : 1) * widest;
+    if (two) {
+      need_smem(mmvq_staged_kernel<T, T2, 2>, smem, "matvec (staged rows)");
+      launch(mmvq_staged_kernel<T, T2, 2>, dim3(ctas, n_slots), kMvWarps * 32, smem, s, b, static_cast<int>(widest));
+    } else {
+      need_smem(mmvq_staged_kernel<T, T2>, smem, "matvec (staged rows)");
+      launch(mmvq_staged_kernel<T, T2>, dim3(ctas, n_slots), kMvWarps * 32, smem, s, b, static_cast<int>(widest));
+    }
     return;
   }
   if (a.n_tokens <= 1) launch_mvq_nt<T, 1, T2>(a, n_slots, s);
