@@ -365,17 +365,17 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
   // Cost model, mirroring how the GPU engine runs (src/cuda/qwen3_gpu.cpp) and calibrated on the H200
   // measurements in docs/performance.md.
   // Decode, per layer one after the other: the GPU's kernels (9 dependent kernels on the H200 with
-  // programmatic dependent launch, ~4.13 us each, in a layer whose experts are all on the GPU, where
+  // programmatic dependent launch, ~3.92 us each, in a layer whose experts are all on the GPU, where
   // the router's launch does the FFN norm, the experts' kernel routes for itself and weight rows are
-  // staged before the waits: 439.8 tok/s measured 2026-12-01 at 4a479ac; about 10 of ~4.5 us in a
-  // hybrid layer;
+  // staged before the waits, Q4_K / Q6_K decoded by position: about 457 tok/s measured 2026-12-02 at
+  // b87625c; about 10 of ~4.5 us in a hybrid layer;
   // the weights and KV at device memory speed), then
   // in a hybrid layer the CPU's share of the chosen experts at host RAM speed plus a synchronisation
   // (the GPU's own experts run meanwhile).
   const double L = cfg.n_layer;
   const double kv_read = static_cast<double>(kv_per_token) * std::min(opt.n_ctx, 1024);  // a typical depth
   if (p.use_gpu) {
-    constexpr double kLayerLaunches = 9 * 4.13e-6, kHybridLayerLaunches = 10 * 4.5e-6, kHybridSync = 15e-6;
+    constexpr double kLayerLaunches = 9 * 3.92e-6, kHybridLayerLaunches = 10 * 4.5e-6, kHybridSync = 15e-6;
     int hybrid_layers = 0;
     std::vector<double> host_bytes_of_layer(cfg.n_layer, 0.0), expert_bytes_of_layer(cfg.n_layer, 0.0);
     std::vector<int> host_experts_of_layer(cfg.n_layer, 0);
