@@ -622,10 +622,10 @@ __device__ __forceinline__ void stage_collect() {
   __syncwarp();
 }
 
-// Dense quantized weights, one token, one row per warp, the row staged in shared memory before the
-// PDL wait (stage_rows): after the wait only the activations are read from global memory (the rows
-// come in whole 16-byte words whatever the block layout; they are decoded from shared memory as
-// mmvq_kernel decodes them from global). Rows of a multiple of 16 bytes at 16-byte aligned bases (the
+// Dense quantized weights, one token, R consecutive rows per warp (one; two for an output head),
+// staged in shared memory before the PDL wait (stage_rows): after the wait only the activations are
+// read from global memory (the rows come in whole 16-byte words whatever the block layout; they are
+// decoded from shared memory as mmvq_kernel decodes them from global). Rows of a multiple of 16 bytes at 16-byte aligned bases (the
 // launcher checks); segments as mmvq_kernel.
 template <DType T, DType T2 = T, int R = 1>
 __global__ void __launch_bounds__(kMvWarps * 32) mmvq_staged_kernel(const MvArgs a, int stage_bytes) {
