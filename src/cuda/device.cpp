@@ -34,6 +34,7 @@ std::mutex g_kernel_mu;
 std::map<std::pair<const void*, int>, int> g_ptx;       // PTX version the kernel was compiled for
 std::map<std::pair<const void*, int>, size_t> g_smem;   // dynamic shared memory opted into
 std::map<int, size_t> g_smem_sm;                        // shared memory per multiprocessor
+std::map<int, size_t> g_smem_block;                     // shared memory per CTA, opted in
 std::map<std::tuple<const void*, int, int, size_t>, int> g_resident;  // CTAs resident on the whole GPU
 }  // namespace
 
@@ -69,15 +70,24 @@ size_t smem_per_sm(const char* what) {
   return g_smem_sm[dev] = static_cast<size_t>(v);
 }
 
+size_t smem_per_block(const char* what) {
+  const int dev = current_device(what);
+  std::lock_guard<std::mutex> lock(g_kernel_mu);
+  auto it = g_smem_block.find(dev);
+  if (it != g_smem_block.end()) return it->second;
+  int v = 0;
+  check(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), what);
+  return g_smem_block[dev] = static_cast<size_t>(v);
+}
+
 void need_dynamic_smem(const void* kernel, size_t bytes, const char* what) {
   if (bytes <= 48 * 1024) return;
+  const size_t optin = smem_per_block(what);
   const int dev = current_device(what);
   std::lock_guard<std::mutex> lock(g_kernel_mu);
   size_t& done = g_smem[{kernel, dev}];
   if (done >= bytes) return;
-  int optin = 0;
-  check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), what);
-  if (bytes > static_cast<size_t>(optin))
+  if (bytes > optin)
     throw Error(std::string(what) + ": needs " + std::to_string(bytes) + " bytes of shared memory per block, the device allows " +
                 std::to_string(optin));
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)), what);

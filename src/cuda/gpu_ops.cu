@@ -171,27 +171,27 @@ __device__ __forceinline__ void mv_decode(const uint8_t* b, int p, WPart& w) {
 }
 template <DType T>
 __device__ __forceinline__ void mv_load_act(const uint8_t* row, int64_t blk, int p, APart& x) {
-  if constexpr (T == DType::Q6_K) {
+  if constexpr (T == DType::Q6_K || T == DType::Q4_K) {  // Q8_K: d | qs[256] | bsums[16]
     const uint8_t* b = row + blk * 292;
     x.d = *reinterpret_cast<const float*>(b);
-    const uint8_t* qs = b + 4 + 128 * (p >> 2) + 8 * (p & 3);
+    if constexpr (T == DType::Q6_K) {
+      const uint8_t* qs = b + 4 + 128 * (p >> 2) + 8 * (p & 3);
 #pragma unroll
-    for (int g = 0; g < 4; ++g) {
-      x.a[2 * g] = ld_i32<4>(qs + 32 * g);
-      x.a[2 * g + 1] = ld_i32<4>(qs + 32 * g + 4);
-    }
-  } else if constexpr (T == DType::Q4_K) {
-    const uint8_t* b = row + blk * 292;
-    x.d = *reinterpret_cast<const float*>(b);
-    const uint8_t* qs = b + 4 + 64 * (p >> 1) + 16 * (p & 1);
+      for (int g = 0; g < 4; ++g) {
+        x.a[2 * g] = ld_i32<4>(qs + 32 * g);
+        x.a[2 * g + 1] = ld_i32<4>(qs + 32 * g + 4);
+      }
+    } else {
+      const uint8_t* qs = b + 4 + 64 * (p >> 1) + 16 * (p & 1);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      x.a[i] = ld_i32<4>(qs + 4 * i);
-      x.a[i + 4] = ld_i32<4>(qs + 32 + 4 * i);
+      for (int i = 0; i < 4; ++i) {
+        x.a[i] = ld_i32<4>(qs + 4 * i);
+        x.a[i + 4] = ld_i32<4>(qs + 32 + 4 * i);
+      }
+      const int16_t* bs = reinterpret_cast<const int16_t*>(b + 260) + 4 * (p >> 1) + (p & 1);
+      x.bs0 = bs[0];
+      x.bs1 = bs[2];
     }
-    const int16_t* bs = reinterpret_cast<const int16_t*>(b + 260) + 4 * (p >> 1) + (p & 1);
-    x.bs0 = bs[0];
-    x.bs1 = bs[2];
   } else {
     load_act<WT<T>::kFam>(row, blk, p, x);
   }
@@ -625,8 +625,8 @@ __device__ __forceinline__ void stage_collect() {
 // Dense quantized weights, one token, R consecutive rows per warp (one; two for an output head),
 // staged in shared memory before the PDL wait (stage_rows): after the wait only the activations are
 // read from global memory (the rows come in whole 16-byte words whatever the block layout; they are
-// decoded from shared memory as mmvq_kernel decodes them from global). Rows of a multiple of 16 bytes at 16-byte aligned bases (the
-// launcher checks); segments as mmvq_kernel.
+// decoded from shared memory as mmvq_kernel decodes them from global). Rows of a multiple of 16
+// bytes at 16-byte aligned bases (the launcher checks); segments as mmvq_kernel.
 template <DType T, DType T2 = T, int R = 1>
 __global__ void __launch_bounds__(kMvWarps * 32) mmvq_staged_kernel(const MvArgs a, int stage_bytes) {
   extern __shared__ __align__(16) uint8_t wsm[];
@@ -1030,17 +1030,22 @@ __global__ void __launch_bounds__(MAXK * 32, 2) mmvq_combine_staged_kernel(const
 
 constexpr int64_t kManyRows = 65536;  // a one-token product's rows from which a warp takes two
 
+// Shared memory a kernel may stage weight rows into: at most `cap` (the measured configuration), never
+// more than the device gives one CTA (48 KiB on Pascal, 99 on Ada), less 1 KiB for the kernel's own
+// arrays.
+size_t staging_smem(size_t cap) { return std::min(cap, smem_per_block("staged weight rows") - 1024); }
+
 // Dense rows that mmvq_staged_kernel can stage: one token, whole 16-byte words at aligned bases, a
-// CTA's rows in at most 96 KiB of shared memory.
+// CTA's rows in at most 96 KiB of shared memory (less where the device allows less).
 bool stageable(const MvArgs& a) {
-  constexpr size_t kMaxRow = 96 * 1024 / kMvWarps;
+  const size_t max_row = staging_smem(96 * 1024) / kMvWarps;
   if (a.ids || a.w2 || a.n_tokens != 1) return false;
   if (a.n_seg) {
     for (int i = 0; i < a.n_seg; ++i)
-      if (a.seg_row_bytes[i] % 16 != 0 || a.seg_row_bytes[i] > kMaxRow || !aligned(a.seg_w[i], 16)) return false;
+      if (a.seg_row_bytes[i] % 16 != 0 || a.seg_row_bytes[i] > max_row || !aligned(a.seg_w[i], 16)) return false;
     return true;
   }
-  return a.row_bytes % 16 == 0 && a.row_bytes <= kMaxRow && aligned(a.w, 16);
+  return a.row_bytes % 16 == 0 && a.row_bytes <= max_row && aligned(a.w, 16);
 }
 
 // The CTAs of a launch of rows_per_cta rows each: with segments (matvec_multi) each segment's first
@@ -1078,16 +1083,16 @@ void launch_mvq(const MvArgs& a, unsigned n_slots, cudaStream_t s) {
     MvArgs b = a;
     size_t widest = b.n_seg ? 0 : b.row_bytes;
     for (int i = 0; i < b.n_seg; ++i) widest = std::max(widest, b.seg_row_bytes[i]);
-    const bool two = !b.n_seg && b.rows > kManyRows && kMvWarps * 2 * widest <= 96 * 1024;
-    const unsigned ctas = place_segments(b, kMvWarps * (two ? 2 : 1));
-    const size_t smem = kMvWarps * (two ? 2 : 1) * widest;
-    if (two) {
-      need_smem(mmvq_staged_kernel<T, T2, 2>, smem, "matvec (staged rows)");
-      launch(mmvq_staged_kernel<T, T2, 2>, dim3(ctas, n_slots), kMvWarps * 32, smem, s, b, static_cast<int>(widest));
-    } else {
-      need_smem(mmvq_staged_kernel<T, T2>, smem, "matvec (staged rows)");
-      launch(mmvq_staged_kernel<T, T2>, dim3(ctas, n_slots), kMvWarps * 32, smem, s, b, static_cast<int>(widest));
-    }
+    const bool many = !b.n_seg && b.rows > kManyRows && kMvWarps * 2 * widest <= staging_smem(96 * 1024);
+    const int rows_per_warp = many ? 2 : 1;
+    const unsigned ctas = place_segments(b, kMvWarps * rows_per_warp);
+    const size_t smem = kMvWarps * rows_per_warp * widest;
+    auto go = [&](auto kernel) {
+      need_smem(kernel, smem, "matvec (staged rows)");
+      launch(kernel, dim3(ctas, n_slots), kMvWarps * 32, smem, s, b, static_cast<int>(widest));
+    };
+    if (rows_per_warp == 2) go(mmvq_staged_kernel<T, T2, 2>);
+    else go(mmvq_staged_kernel<T, T2, 1>);
     return;
   }
   if (a.n_tokens <= 1) launch_mvq_nt<T, 1, T2>(a, n_slots, s);
@@ -3228,7 +3233,7 @@ void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_
   // against 424.5 / 427.4.
   constexpr int kStagedRows = 8;
   if (!slot_of && w.rows % kStagedRows == 0 && (kStagedRows * w.row_bytes) % 16 == 0 && w.mat_bytes % 16 == 0 &&
-      aligned(w.data, 16) && 8 * kStagedRows * w.row_bytes <= 160 * 1024) {
+      aligned(w.data, 16) && 8 * kStagedRows * w.row_bytes <= staging_smem(160 * 1024)) {
     const dim3 grid(static_cast<unsigned>(w.rows / kStagedRows), static_cast<unsigned>(n_tokens));
     const size_t stage = kStagedRows * w.row_bytes, smem = 8 * stage;
     with_quant_type(w.type, "matvec_experts_combine", [&](auto T) {

@@ -11,6 +11,9 @@ namespace fitmoe::gpu {
 int kernel_ptx_version(const void* kernel, const char* what);
 // Shared memory per multiprocessor of the current device.
 size_t smem_per_sm(const char* what);
+// The most shared memory one CTA of the current device may have (static and dynamic, opted in): 48 KiB
+// on Pascal, 99 KiB on Ada, 227 KiB on Hopper.
+size_t smem_per_block(const char* what);
 // How many CTAs of `threads` threads and `smem` bytes of dynamic shared memory the whole device holds at
 // once (kernels whose CTAs wait for each other must not launch more).
 int resident_ctas(const void* kernel, int threads, size_t smem, const char* what);
