@@ -3,7 +3,7 @@
 # prints a short table last. Binaries come prebuilt from the dev machine (scripts/device-prepare.sh puts
 # them and the test fixtures into git-ignored folders that the run carries).
 #   scripts/device-run.sh [MODE...]   MODE: all (default) tests cpu gpu gputests gpubench profile skip ab sync ncu
-#                                     ncu-detail ncu-source nsys toggles; several in one call run in this file's order
+#                                     ncu-detail ncu-source nsys toggles hybrid; several in one call run in this file's order
 #   (SKIP_CONFIGS names GPU configs to skip)
 # profile: where a decode step's GPU time goes, per op (FITMOE_PROFILE=1), all on the GPU and at 8 GiB.
 set -uo pipefail
@@ -109,6 +109,27 @@ if want toggles; then
       r=$(env $envs "$BIN/$b" bench -m "$MODEL" $ARGS 2>/dev/null | grep '^|' | tail -n +3 | awk -F'|' '{printf "%s %s; ", $7, $8}')
       line="toggle $name ($envs) round $round: $r"
       echo "$line"; summary+=("$line")
+    done
+  done
+fi
+
+# Hybrid decode, its CPU side and its GPU clock (FITMOE_HOST_PROFILE=1), for settings of knobs interleaved
+# in ROUNDS rounds: TOGGLES as above (default: routing guesses on and off), HYB_ARGS (default the 8 GiB
+# plan, tg128). Keeps the profile's lines, which the toggles mode drops.
+if want hybrid; then
+  [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
+  echo "== hybrid decode (cpus: $(nproc); $(lscpu | grep -E '^Thread\(s\) per core|^Core\(s\) per socket' | tr -s ' ' | tr '\n' ';'))"
+  ARGS=${HYB_ARGS:---vram 8G -p 0 -n 128 -r 3}
+  IFS=';' read -ra cfgs <<< "${HYB_TOGGLES:-guess|;noguess|FITMOE_PREDICT=0}"
+  for round in $(seq "${ROUNDS:-2}"); do
+    for cfg in "${cfgs[@]}"; do
+      name=${cfg%%|*}; envs=${cfg#*|}
+      env FITMOE_HOST_PROFILE=1 $envs "$BIN/fitmoe" bench -m "$MODEL" $ARGS > "$OUT/hyb.out" 2> "$OUT/hyb.err"
+      r=$(grep '^|' "$OUT/hyb.out" | tail -n +3 | awk -F'|' '{printf "%s %s; ", $7, $11}')
+      line="hybrid $name ($envs) round $round: $r"
+      echo "$line"; summary+=("$line")
+      grep -E '^host experts|^GPU clock|^routing guesses' "$OUT/hyb.err" | sed 's/^/    /'
+      while read -r l; do summary+=("    $l"); done < <(grep -E '^host experts|^GPU clock|^routing guesses' "$OUT/hyb.err")
     done
   done
 fi

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "quant/dtype.h"
@@ -88,6 +89,19 @@ TEST_P(ExpertFfn, MatchesScalarReference) {
                           sizeof(float) * kEmbd), 0)
         << "slot " << a << " differs when sent to row " << rows[a];
 
+  // Decode-sized batches with some experts split by slice (as after a prefetch of guessed experts):
+  // guessed ones the slots use, one they do not, an out-of-range id; the same bits, only other threads.
+  if (n_tokens <= cpu::kExpertFfnStaticTokens) {
+    const std::vector<int32_t> guessed = {exp[0], exp[n_assign - 1], (exp[0] + 1) % kExperts, -1, kExperts};
+    for (size_t n_guessed : {size_t{1}, guessed.size()}) {
+      std::vector<float> sliced(out.size(), NAN);
+      cpu::expert_ffn(pool, w, x.data(), n_tokens, kEmbd, tok.data(), exp.data(), n_assign, sliced.data(), scratch,
+                      nullptr, std::span<const int32_t>(guessed.data(), n_guessed));
+      ASSERT_EQ(std::memcmp(sliced.data(), out.data(), sizeof(float) * out.size()), 0)
+          << n_guessed << " guessed experts change the outputs";
+    }
+  }
+
   // The fast kernels are bit-exact with the reference dot products, so the whole chain is too.
   int64_t differ = 0;
   for (int a = 0; a < n_assign; ++a) {
@@ -107,6 +121,40 @@ TEST_P(ExpertFfn, MatchesScalarReference) {
 INSTANTIATE_TEST_SUITE_P(SplitsAndThreads, ExpertFfn,
                          ::testing::Combine(::testing::Values(1, 3, cpu::kExpertFfnStaticTokens, 12, 40),
                                             ::testing::Values(1, 3, 7, 40)));
+
+// The sliced split gives every row to exactly one thread, whatever the count of threads.
+TEST(ExpertSlice, CoversEveryRowOnce) {
+  for (int64_t rows : {1, 7, 16, 768, 2048})
+    for (int nth : {1, 2, 3, 15, 16, 40}) {
+      int64_t next = 0;
+      for (int t = 0; t < nth; ++t) {
+        const auto [r0, r1] = cpu::expert_slice(rows, t, nth);
+        ASSERT_EQ(r0, next) << rows << " rows, " << nth << " threads, thread " << t;
+        ASSERT_LE(r0, r1);
+        ASSERT_LE(r1 - r0, (rows + nth - 1) / nth);
+        next = r1;
+      }
+      EXPECT_EQ(next, rows) << rows << " rows, " << nth << " threads";
+    }
+}
+
+// The threads' prefetches together cover each guessed expert's three matrices (ids out of range are
+// skipped), and a stop asked for at once prefetches nothing.
+TEST(ExpertSlice, PrefetchCoversTheGuessedExpertsAndStops) {
+  const Stack gate = random_stack(DType::Q4_K, kEmbd, kFf, 1), up = random_stack(DType::Q4_K, kEmbd, kFf, 2),
+              down = random_stack(DType::Q6_K, kFf, kEmbd, 3);
+  const cpu::ExpertWeights w{gate.w, up.w, down.w};
+  const std::vector<int32_t> guessed = {3, -1, 9, kExperts};
+  const size_t per_expert = gate.w.matrix_bytes() + up.w.matrix_bytes() + down.w.matrix_bytes();
+  for (int nth : {1, 3, 7}) {
+    size_t total = 0;
+    for (int t = 0; t < nth; ++t) total += cpu::prefetch_expert_slices(w, guessed, t, nth, [] { return false; });
+    EXPECT_EQ(total, 2 * per_expert) << nth << " threads";
+    EXPECT_EQ(cpu::prefetch_expert_slices(w, guessed, 0, nth, [] { return true; }), 0u);
+    int asked = 0;  // stops after the first 4 KiB
+    EXPECT_EQ(cpu::prefetch_expert_slices(w, guessed, 0, 1, [&] { return asked++ > 0; }), 4096u);
+  }
+}
 
 TEST(SpinBarrier, NoThreadPassesBeforeAllArrive) {
   ThreadPool pool(5);

@@ -128,6 +128,16 @@ void register_bench(CLI::App& app) {
       bound = host_bw > 0 ? host_bw / bpt : 0;
     }
     const std::string name = cfg.name.empty() ? cfg.arch : cfg.name;
+    // Hybrid decode guesses each layer's routing to prefetch host experts while it waits for the GPU.
+    const RoutingGuessStats gs = model->routing_guess_stats();
+    const double guess_rate = gs.guessed ? static_cast<double>(gs.chosen) / gs.guessed : 0.0;
+    const double prefetch_per_layer = gs.layer_steps ? gs.prefetched_bytes / gs.layer_steps : 0.0;
+    if (gs.guessed)
+      std::fprintf(stderr,
+                   "routing guesses: %.2f host experts guessed per hybrid layer step, %.0f%% of them chosen; "
+                   "%s prefetched per step while waiting for the GPU\n",
+                   static_cast<double>(gs.guessed) / gs.layer_steps, 100.0 * guess_rate,
+                   human_bytes(prefetch_per_layer).c_str());
     if (a->json) {
       nlohmann::json out = nlohmann::json::array();
       for (auto& r : results) {
@@ -139,6 +149,7 @@ void register_bench(CLI::App& app) {
                        {"weight_gbps", r.n_gen ? bpt * r.mean() / 1e9 : 0.0},
                        {"host_expert_bytes_per_token", plan.host_expert_bytes_per_token},
                        {"tg_bound", bound}, {"plan", plan.summary_line()},
+                       {"routing_guesses_chosen", guess_rate}, {"prefetched_bytes_per_layer_step", prefetch_per_layer},
                        {"machine", {{"host_mem_bw", plan.machine.host_mem_bw}, {"pcie_bw", plan.machine.pcie_bw},
                                     {"gpu_mem_bw", plan.machine.gpu_mem_bw}, {"cpu_int8_flops", plan.machine.cpu_int8_flops}}}});
       }

@@ -1582,7 +1582,8 @@ __global__ void handover_combine_kernel(const unsigned* flag, const unsigned* ep
                                         const float* __restrict__ ey, const float* __restrict__ ey_host,
                                         const int32_t* __restrict__ ids, const int32_t* __restrict__ slot_of,
                                         int n_expert, const int32_t* __restrict__ gpu_slots,
-                                        const float* __restrict__ wts, int k, float* __restrict__ x, int width) {
+                                        const float* __restrict__ wts, int k, float* __restrict__ x, int width,
+                                        unsigned long long* stamp) {
   pdl_enter();
   __shared__ const float* src[MAXK];
   __shared__ bool pinned[MAXK];
@@ -1596,6 +1597,10 @@ __global__ void handover_combine_kernel(const unsigned* flag, const unsigned* ep
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
       if (now - t0 > 30ull * 1000000000ull) __trap();  // 30 s (the host sets flags even when it fails)
       poll_pause(100);
+    }
+    if (stamp && blockIdx.x == 0 && blockIdx.y == 0) {
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+      *stamp = now;
     }
   }
   if (tid < k) {
@@ -1621,6 +1626,38 @@ __global__ void handover_combine_kernel(const unsigned* flag, const unsigned* ep
     if (j < k) o = __fadd_rn(o, __fmul_rn(v[j], wt[j]));
   float* xr = x + static_cast<int64_t>(t) * width + i;
   *xr = __fadd_rn(*xr, o);
+}
+
+// The input of the next hybrid layer's predicted routing (one token): xp = rms_norm(x + sum of the
+// device-resident slots' weighted rows of ey) * w. A prediction only (the CPU prefetches the experts
+// it names), so the slots the CPU computes are left out and no order of the sum is owed to anyone.
+__global__ void predict_input_kernel(const float* x, const float* __restrict__ ey, const int32_t* __restrict__ ids,
+                                     const int32_t* __restrict__ slot_of, int n_expert, const float* __restrict__ wts,
+                                     int k, const float* __restrict__ w, float* __restrict__ xp, int n, float eps) {
+  pdl_enter();
+  __shared__ double part[32];
+  __shared__ const float* src[32];
+  __shared__ float wt[32];
+  __shared__ int n_src;
+  const int tid = threadIdx.x, nth = blockDim.x;
+  if (tid == 0) {
+    int m = 0;
+    for (int j = 0; j < k; ++j) {
+      const int32_t e = ids[j];
+      if (e >= 0 && e < n_expert && slot_of[e] >= 0) src[m] = ey + static_cast<int64_t>(j) * n, wt[m++] = wts[j];
+    }
+    n_src = m;
+  }
+  __syncthreads();
+  double s = 0;
+  for (int i = tid; i < n; i += nth) {
+    float v = x[i];
+    for (int j = 0; j < n_src; ++j) v = fmaf(wt[j], src[j][i], v);
+    xp[i] = v;
+    s += static_cast<double>(v) * v;
+  }
+  const float scale = block_rms_scale(s, n, eps, part);
+  for (int i = tid; i < n; i += nth) xp[i] = xp[i] * scale * w[i];
 }
 
 __global__ void copy_rows_kernel(const float* __restrict__ src, int64_t ld_src, const int32_t* __restrict__ src_rows,
@@ -2920,11 +2957,17 @@ __device__ void publish_route(const RoutePublish& pub, const int32_t* ids, int n
       }
     }
   }
-  for (int64_t i = threadIdx.x; i < n_x; i += blockDim.x) pub.x[i] = x[i];
+  if (pub.x)
+    for (int64_t i = threadIdx.x; i < n_x; i += blockDim.x) pub.x[i] = x[i];
   __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
     const unsigned e = *pub.epoch;
+    if (pub.stamp) {
+      unsigned long long now;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+      *pub.stamp = now;
+    }
     store_release_sys(pub.flag, e);
   }
 }
@@ -3253,7 +3296,8 @@ void matvec_experts_combine(const DevMatrix& w, const int32_t* ids, const int32_
 
 void handover_combine(const unsigned* host_flag, const unsigned* epoch, const float* host_rows, const float* ey,
                       const float* ey_host, const int32_t* ids, const int32_t* slot_of, int n_expert,
-                      const int32_t* gpu_slots, const float* wts, int k, float* x, int n_tokens, int width, Stream s) {
+                      const int32_t* gpu_slots, const float* wts, int k, float* x, int n_tokens, int width, Stream s,
+                      unsigned long long* stamp) {
   if (n_tokens <= 0 || width <= 0) return;
   if (n_tokens > 65535) fail("handover_combine: too many tokens");
   if (k <= 0 || k > 32) fail("handover_combine: at most 32 experts per token");
@@ -3262,11 +3306,20 @@ void handover_combine(const unsigned* host_flag, const unsigned* epoch, const fl
   const cudaStream_t st = cs(s);
   if (k <= 8)
     launch(handover_combine_kernel<8>, grid, 256, 0, st, host_flag, epoch, host_rows, ey, ey_host, ids, slot_of,
-           n_expert, gpu_slots, wts, k, x, width);
+           n_expert, gpu_slots, wts, k, x, width, stamp);
   else
     launch(handover_combine_kernel<32>, grid, 256, 0, st, host_flag, epoch, host_rows, ey, ey_host, ids, slot_of,
-           n_expert, gpu_slots, wts, k, x, width);
+           n_expert, gpu_slots, wts, k, x, width, stamp);
   launched("handover_combine");
+}
+
+void predict_route_input(const float* x, const float* ey, const int32_t* ids, const int32_t* slot_of, int n_expert,
+                         const float* wts, int k, const float* w, float* xp, int n, float eps, Stream s) {
+  if (!x || !w || !xp || n <= 0) fail("predict_route_input: x, w and xp are required");
+  if (k < 0 || k > 32 || (k > 0 && (!ey || !ids || !slot_of || !wts)))
+    fail("predict_route_input: at most 32 slots, with ey, ids, slot_of and wts");
+  launch(predict_input_kernel, 1, kNormThreads, 0, cs(s), x, ey, ids, slot_of, n_expert, wts, k, w, xp, n, eps);
+  launched("predict_route_input");
 }
 
 void copy_rows(const float* src, int64_t ld_src, const int32_t* src_rows, float* dst, int64_t ld_dst,
@@ -3499,7 +3552,7 @@ bool router_topk(const DevMatrix& router, const float* x, int n_tokens, float* l
   const size_t smem = static_cast<size_t>(kMvWarps) * router.rows * sizeof(float);
   const dim3 grid(static_cast<unsigned>(router.rows));
   const cudaStream_t st = cs(s);
-  if (pub.flag && (!pub.ids || !pub.x || !pub.epoch)) fail("router_topk: a publication needs ids, x, flag and epoch");
+  if (pub.flag && (!pub.ids || !pub.epoch)) fail("router_topk: a publication needs ids, flag and epoch");
   if (pub.flag && pub.gpu_share > 0 &&
       (pub.k != k || pub.n_expert != router.rows || !pub.slot_of || !pub.gpu_slots || !pub.host_gpu_slots))
     fail("router_topk: a GPU share needs k, slot_of and both slot tables");

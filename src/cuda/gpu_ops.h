@@ -122,7 +122,15 @@ void matvec_experts_glu_routed(const DevMatrix& gate, const DevMatrix& up, const
 // nor ey then norms x.
 void handover_combine(const unsigned* host_flag, const unsigned* epoch, const float* host_rows, const float* ey,
                       const float* ey_host, const int32_t* ids, const int32_t* slot_of, int n_expert,
-                      const int32_t* gpu_slots, const float* wts, int k, float* x, int n_tokens, int width, Stream s);
+                      const int32_t* gpu_slots, const float* wts, int k, float* x, int n_tokens, int width, Stream s,
+                      unsigned long long* stamp = nullptr);
+// (stamp, for FITMOE_HOST_PROFILE: the GPU's clock (%globaltimer, ns) when the flag was seen.)
+// Hybrid decode's routing prediction (one token): xp = rms_norm(x + sum_j wts[j] * row j of ey over the
+// k slots whose expert slot_of places on the device) * w, the input to route the next layer with
+// before its attention has run (router_topk then publishes the guess; the CPU prefetches those
+// experts' weights while it waits for the real routing). Not bit-exact with anything: a guess.
+void predict_route_input(const float* x, const float* ey, const int32_t* ids, const int32_t* slot_of, int n_expert,
+                         const float* wts, int k, const float* w, float* xp, int n, float eps, Stream s);
 void copy_rows(const float* src, int64_t ld_src, const int32_t* src_rows, float* dst, int64_t ld_dst,
                const int32_t* dst_rows, int n, int width, Stream s);
 
@@ -202,6 +210,8 @@ struct RoutePublish {
   const int32_t* slot_of = nullptr;
   int32_t* gpu_slots = nullptr;
   int32_t* host_gpu_slots = nullptr;
+  // FITMOE_HOST_PROFILE: the GPU's clock (%globaltimer, ns) just before the flag is raised, or null.
+  unsigned long long* stamp = nullptr;
 };
 // The router's product and route_topk in one launch, for an F32 router of at most 512 experts and at
 // most kMaxVecTokens tokens (x: f32 rows of router.cols values; logits [n_tokens][router.rows]); the
@@ -210,7 +220,8 @@ struct RoutePublish {
 bool router_topk(const DevMatrix& router, const float* x, int n_tokens, float* logits, int k, int32_t* ids,
                  float* weights, unsigned* done, Stream s,
                  const RoutePublish& pub = {});
-// (pub.flag set: the routing is also published as RoutePublish says, by the kernel's last CTA.)
+// (pub.flag set: the routing is also published as RoutePublish says, by the kernel's last CTA; with
+// pub.x null, only the choices.)
 // The same publication after a routing made otherwise (a launch of one CTA; n_x floats of x).
 void publish_route(const RoutePublish& pub, const int32_t* ids, int n_ids, const float* x, int64_t n_x, Stream s);
 // Whether the mat-vec kernels take this weight (type, shape, alignment), without throwing.

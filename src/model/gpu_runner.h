@@ -15,6 +15,7 @@ class GpuRunner {
   virtual void forward(ModelState& state, ThreadPool& pool, std::span<const int32_t> tokens, int n_logits,
                        float* logits) = 0;
   virtual std::string memory_report() const = 0;
+  virtual RoutingGuessStats routing_guess_stats() const { return {}; }
 };
 
 }  // namespace fitmoe

@@ -85,6 +85,14 @@ struct StateOptions {
   DType kv_type = DType::F16;  // F16 (default, as the reference) or F32
 };
 
+// Hybrid decode's routing guesses (GPU runs with host-resident experts): hybrid layer steps decoded,
+// host-resident experts guessed before their routing was known, how many of those the routing then
+// chose, and the bytes of them the CPU prefetched while it waited.
+struct RoutingGuessStats {
+  long layer_steps = 0, guessed = 0, chosen = 0;
+  double prefetched_bytes = 0;
+};
+
 class Model {
  public:
   virtual ~Model();
@@ -97,6 +105,7 @@ class Model {
   const Plan& plan() const { return plan_; }
   bool on_gpu() const { return gpu_ != nullptr; }
   std::string gpu_memory_report() const;
+  RoutingGuessStats routing_guess_stats() const;  // zeros without a GPU
   const gguf::File& file() const { return *file_; }
   std::shared_ptr<gguf::File> file_ptr() const { return file_; }
 

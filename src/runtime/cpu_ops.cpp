@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <immintrin.h>
 #include <numeric>
 
 #include "quant/kernels.h"
@@ -290,9 +291,16 @@ void route_softmax_topk(const float* logits, int n_expert, int k, bool renormali
   }
 }
 
+void prefetch_l2(const uint8_t* p, size_t n) {
+  // From the line holding p: a range that starts mid-line still gets its first line.
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
+  for (uintptr_t a = first; a < reinterpret_cast<uintptr_t>(p) + n; a += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T1);
+}
+
 void expert_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tokens, int n_embd,
                 const int32_t* token_of_slot, const int32_t* experts, int n_assign, float* out, Scratch& scratch,
-                const int32_t* out_rows) {
+                const int32_t* out_rows, std::span<const int32_t> sliced) {
   const int n_expert = static_cast<int>(w.gate.ne[2]);
   const int64_t n_ff = w.gate.rows();
 
@@ -373,15 +381,25 @@ void expert_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_
     // each thread takes an equal contiguous share of the (active expert, row) space, phases separated
     // by spinning barriers. Equal shares finish together, where dynamic blocks of a few hundred rows
     // left a tail of one block on some threads, and one dispatch replaces three.
-    const int64_t n_act = static_cast<int64_t>(active.size());
+    // The sliced experts (those a thread may hold its slice of already, see expert_slice) first, each
+    // thread its own slice of each; then the rest.
+    std::vector<int> by_slice, shared;
+    for (const int e : active)
+      (std::find(sliced.begin(), sliced.end(), e) != sliced.end() ? by_slice : shared).push_back(e);
+    const int64_t n_act = static_cast<int64_t>(shared.size());
     SpinBarrier barrier(pool.size());
-    // Thread tid's share of n_act * rows rows, in multiples of 16 rows (the kernels' row blocking).
+    // Thread tid's share of n_act * rows rows of the other experts, in multiples of 16 rows (the
+    // kernels' row blocking).
     auto share = [&](int64_t rows, int tid, int nth, auto&& fn) {
+      for (const int e : by_slice) {
+        const auto [r0, r1] = expert_slice(rows, tid, nth);
+        if (r1 > r0) fn(e, r0, static_cast<int>(r1 - r0));
+      }
       const int64_t total = n_act * rows;
       int64_t lo = total * tid / nth / 16 * 16, hi = tid + 1 == nth ? total : total * (tid + 1) / nth / 16 * 16;
       while (lo < hi) {
         const int64_t e_idx = lo / rows, r0 = lo % rows, nr = std::min(hi, (e_idx + 1) * rows) - lo;
-        fn(active[e_idx], r0, static_cast<int>(nr));
+        fn(shared[e_idx], r0, static_cast<int>(nr));
         lo += nr;
       }
     };

@@ -2,7 +2,9 @@
 // quantized kernels of src/quant; each reproduces the reference's numerics (noted per op) so that
 // fitmoe's logits match llama.cpp's within the testdata tolerances.
 #pragma once
+#include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <span>
 #include <vector>
 
@@ -107,9 +109,44 @@ void moe_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tok
 // Up to this many tokens (decode), expert_ffn splits the rows statically and evenly over the threads in
 // one job; above it, in dynamically taken blocks.
 constexpr int kExpertFfnStaticTokens = 8;
+// sliced (decode only): experts whose rows are split by expert_slice instead, so that thread t computes
+// the same rows of each of them that prefetch_expert_slices fetched into its cache beforehand (hybrid
+// decode prefetches the experts it predicts while it waits for the GPU's routing). The outputs are the
+// same bits either way: only which thread computes a row changes.
 void expert_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tokens, int n_embd,
                 const int32_t* token_of_slot, const int32_t* experts, int n_slots, float* out, Scratch& scratch,
-                const int32_t* out_rows = nullptr);
+                const int32_t* out_rows = nullptr, std::span<const int32_t> sliced = {});
+// Rows [first, second) of a `rows`-row matrix that thread t of nth takes in the sliced split.
+inline std::pair<int64_t, int64_t> expert_slice(int64_t rows, int t, int nth) {
+  return {rows * t / nth, rows * (t + 1) / nth};
+}
+// Hints [p, p + n) into this core's L2 cache, a 64-byte line at a time.
+void prefetch_l2(const uint8_t* p, size_t n);
+// Prefetches into the calling core's L2 its expert_slice (thread t of nth) of the gate, up and down
+// matrices of each expert of `experts` in turn (ids outside [0, n_expert) are skipped), until the
+// prefetches are all issued or stop() returns true; stop() is asked every 4 KiB. Returns the bytes
+// prefetched. A hint only: it changes no result.
+template <typename Stop>
+size_t prefetch_expert_slices(const ExpertWeights& w, std::span<const int32_t> experts, int t, int nth, Stop&& stop) {
+  const int64_t n_expert = w.gate.ne[2];
+  size_t done = 0;
+  for (const int32_t e : experts) {
+    if (e < 0 || e >= n_expert) continue;
+    for (const Weight* m : {&w.gate, &w.up, &w.down}) {
+      const auto [r0, r1] = expert_slice(m->rows(), t, nth);
+      const Weight me = m->expert(e);
+      const uint8_t* p = me.row(r0);
+      const size_t n = static_cast<size_t>(r1 - r0) * me.row_bytes;
+      for (size_t off = 0; off < n; off += 4096) {
+        if (stop()) return done;
+        const size_t end = std::min(n, off + 4096);
+        prefetch_l2(p + off, end - off);
+        done += end - off;
+      }
+    }
+  }
+  return done;
+}
 // out[t] = sum_j weights[t][j] * y[t * k + j], summed in j order (the reference's order).
 void moe_combine(const float* y, const float* weights, int n_tokens, int k, int n_embd, float* out);
 

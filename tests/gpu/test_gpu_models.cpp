@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -201,6 +202,48 @@ TEST(GpuDecode, DependentLaunchGivesTheSameBits) {
         ASSERT_EQ(on[i], off[i]) << type << " " << mode << ": logit " << i;
       }
     }
+  }
+}
+
+// Hybrid decode guesses each hybrid layer's routing from the layer before and prefetches the guessed
+// host experts, which the CPU then computes in slices by thread: the same logits, bit for bit, as
+// without guesses (FITMOE_PREDICT=0); and the guesses are made (every hybrid layer step after the first
+// of a token), published and mostly right.
+TEST(GpuDecode, RoutingGuessesChangeNoBits) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
+  const std::string dir = test::testdata("qwen3moe-tiny");
+  for (const char* mode : {"half_budget", "cpu_moe"}) {
+    RoutingGuessStats stats;
+    auto run = [&](bool guess) {
+      if (!guess) setenv("FITMOE_PREDICT", "0", 1);
+      auto model = load_gpu(dir + "/qwen3moe-tiny-q4_k_m.gguf", mode);
+      unsetenv("FITMOE_PREDICT");
+      SessionOptions so;
+      so.n_threads = 3;
+      so.n_ctx = 512;
+      Session s(*model, so);
+      const int n_vocab = model->config().n_vocab;
+      std::vector<int32_t> prompt(20);
+      for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((i * 7919 + 5) % n_vocab);
+      std::vector<float> all = s.eval(prompt, 1);
+      for (int i = 0; i < 24; ++i) {
+        const auto last = all.end() - n_vocab;
+        const std::vector<int32_t> one{static_cast<int32_t>(std::max_element(last, all.end()) - last)};
+        std::vector<float> l = s.eval(one, 1);
+        all.insert(all.end(), l.begin(), l.end());
+      }
+      if (guess) stats = model->routing_guess_stats();
+      return all;
+    };
+    const std::vector<float> off = run(false), on = run(true);
+    ASSERT_EQ(off.size(), on.size());
+    for (size_t i = 0; i < on.size(); ++i)
+      ASSERT_EQ(std::bit_cast<uint32_t>(on[i]), std::bit_cast<uint32_t>(off[i])) << mode << ": logit " << i;
+    EXPECT_GT(stats.layer_steps, 0) << mode;
+    EXPECT_GT(stats.guessed, 0) << mode << ": no routing guess reached the CPU";
+    EXPECT_GE(stats.chosen * 2, stats.guessed) << mode << ": most guesses should be chosen";
+    std::printf("  %s: %ld hybrid layer steps, %ld host experts guessed, %ld chosen, %.0f bytes prefetched\n", mode,
+                stats.layer_steps, stats.guessed, stats.chosen, stats.prefetched_bytes);
   }
 }
 
