@@ -8,7 +8,7 @@ CUDA=${FITMOE_CUDA:-ON}
 # Only the device tool's H200 (sm_90) for carried builds: the 64 MiB carry limit.
 cmake -S . -B build-dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DFITMOE_STATIC=ON -DFITMOE_BENCH=OFF -DFITMOE_CUDA="$CUDA" \
   -DCMAKE_CUDA_ARCHITECTURES="${FITMOE_CUDA_ARCH:-90}" >/dev/null
-TARGETS="fitmoe fitmoe_tests"
+TARGETS="fitmoe fitmoe_tests fitmoe_expert_prefetch"
 case "$CUDA" in ON|on|1|TRUE|true|YES|yes) GPU_BENCH=1; TARGETS="$TARGETS fitmoe_gpu_phase_sync" ;; *) GPU_BENCH=0 ;; esac
 cmake --build build-dev --target $TARGETS
 mkdir -p devbin testdata-local
@@ -19,6 +19,7 @@ rm -f devbin/*
 pack() { strip -o "devbin/$2" "$1" && xz -9 -T0 -f "devbin/$2"; }
 pack build-dev/fitmoe fitmoe
 pack build-dev/tests/fitmoe_tests fitmoe_tests
+pack build-dev/fitmoe_expert_prefetch fitmoe_expert_prefetch
 if [ "$GPU_BENCH" = 1 ]; then pack build-dev/fitmoe_gpu_phase_sync fitmoe_gpu_phase_sync; fi
 TD=${FITMOE_TESTDATA:-../shared/testdata}
 for d in quant-vectors qwen3moe-tiny qwen3-draft; do

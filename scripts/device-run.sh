@@ -119,13 +119,20 @@ fi
 if want hybrid; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
   echo "== hybrid decode (cpus: $(nproc); $(lscpu | grep -E '^Thread\(s\) per core|^Core\(s\) per socket' | tr -s ' ' | tr '\n' ';'))"
+  if [ -x "$BIN/fitmoe_expert_prefetch" ] && [ -z "${HYB_NO_PREFETCH_BENCH:-}" ]; then
+    for w in ${HYB_WAITS:-40 80}; do
+      echo "-- fitmoe_expert_prefetch $(( $(nproc) - 1 )) $w 300"
+      "$BIN/fitmoe_expert_prefetch" "$(( $(nproc) - 1 ))" "$w" 300 | tee "$OUT/prefetch-$w.txt"
+      while read -r l; do summary+=("prefetch wait $w us: $l"); done < <(tail -n +2 "$OUT/prefetch-$w.txt")
+    done
+  fi
   ARGS=${HYB_ARGS:---vram 8G -p 0 -n 128 -r 3}
   IFS=';' read -ra cfgs <<< "${HYB_TOGGLES:-guess|;noguess|FITMOE_PREDICT=0}"
   for round in $(seq "${ROUNDS:-2}"); do
     for cfg in "${cfgs[@]}"; do
       name=${cfg%%|*}; envs=${cfg#*|}
       env FITMOE_HOST_PROFILE=1 $envs "$BIN/fitmoe" bench -m "$MODEL" $ARGS > "$OUT/hyb.out" 2> "$OUT/hyb.err"
-      r=$(grep '^|' "$OUT/hyb.out" | tail -n +3 | awk -F'|' '{printf "%s %s; ", $7, $11}')
+      r=$(grep '^|' "$OUT/hyb.out" | tail -n +3 | awk -F'|' '{printf "%s %s tok/s, bound %s; ", $7, $8, $11}')
       line="hybrid $name ($envs) round $round: $r"
       echo "$line"; summary+=("$line")
       grep -E '^host experts|^GPU clock|^routing guesses' "$OUT/hyb.err" | sed 's/^/    /'

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <immintrin.h>
 #include <numeric>
 
 #include "quant/kernels.h"
@@ -291,11 +290,24 @@ void route_softmax_topk(const float* logits, int n_expert, int k, bool renormali
   }
 }
 
-void prefetch_l2(const uint8_t* p, size_t n) {
-  // From the line holding p: a range that starts mid-line still gets its first line.
+void fetch_lines(const uint8_t* p, size_t n) {
+  if (n == 0) return;
+  // From the line holding p (a range that starts mid-line still gets its first line; the bytes read
+  // before p are in p's own line, so in memory that exists); four sums so that the loads are
+  // independent and in flight together, and the compiler keeps them all.
   const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
-  for (uintptr_t a = first; a < reinterpret_cast<uintptr_t>(p) + n; a += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(a), _MM_HINT_T1);
+  const size_t lines = (reinterpret_cast<uintptr_t>(p) + n - first + 63) / 64;
+  auto word = [&](size_t i) {
+    uint64_t v;
+    std::memcpy(&v, reinterpret_cast<const void*>(first + 64 * i), sizeof v);
+    return v;
+  };
+  uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  size_t i = 0;
+  for (; i + 4 <= lines; i += 4) s0 += word(i), s1 += word(i + 1), s2 += word(i + 2), s3 += word(i + 3);
+  for (; i < lines; ++i) s0 += word(i);
+  const uint64_t s = s0 + s1 + s2 + s3;
+  __asm__ volatile("" ::"r"(s));
 }
 
 void expert_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tokens, int n_embd,

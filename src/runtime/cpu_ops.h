@@ -120,12 +120,14 @@ void expert_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_
 inline std::pair<int64_t, int64_t> expert_slice(int64_t rows, int t, int nth) {
   return {rows * t / nth, rows * (t + 1) / nth};
 }
-// Hints [p, p + n) into this core's L2 cache, a 64-byte line at a time.
-void prefetch_l2(const uint8_t* p, size_t n);
-// Prefetches into the calling core's L2 its expert_slice (thread t of nth) of the gate, up and down
-// matrices of each expert of `experts` in turn (ids outside [0, n_expert) are skipped), until the
-// prefetches are all issued or stop() returns true; stop() is asked every 4 KiB. Returns the bytes
-// prefetched. A hint only: it changes no result.
+// Brings [p, p + n) into this core's caches: one plain load per 64-byte line. Loads rather than
+// prefetch instructions, which the core may drop or leave queued: measured on the dev machine, 40 us
+// of T1 prefetches "covered" 2.2 MB, more than its RAM can deliver in that time, and made the product
+// after them no faster (bench/expert_prefetch.cpp).
+void fetch_lines(const uint8_t* p, size_t n);
+// Reads into the calling core's caches its expert_slice (thread t of nth) of the gate, up and down
+// matrices of each expert of `experts` in turn (ids outside [0, n_expert) are skipped), until all are
+// read or stop() returns true; stop() is asked every 4 KiB. Returns the bytes read. Changes no result.
 template <typename Stop>
 size_t prefetch_expert_slices(const ExpertWeights& w, std::span<const int32_t> experts, int t, int nth, Stop&& stop) {
   const int64_t n_expert = w.gate.ne[2];
@@ -140,7 +142,7 @@ size_t prefetch_expert_slices(const ExpertWeights& w, std::span<const int32_t> e
       for (size_t off = 0; off < n; off += 4096) {
         if (stop()) return done;
         const size_t end = std::min(n, off + 4096);
-        prefetch_l2(p + off, end - off);
+        fetch_lines(p + off, end - off);
         done += end - off;
       }
     }
