@@ -8,6 +8,8 @@
 //   read-2   the same for 2 of the 5 (the others stay cold)
 //   pf-all   software prefetch instructions (T1, into L2) instead of the loads
 //   sliced   nothing fetched, but the product split by slices as after a fetch of all 5
+//   hot      the product run twice on the same experts, the second timed: the speed of the kernels on
+//            data already in the caches, the most a fetch ahead could give
 // Prints, per mode, the product's time and the bytes the fetch covered.
 //   fitmoe_expert_prefetch [threads (default: cores - 1)] [wait_us (40)] [reps (200)]
 #include <immintrin.h>
@@ -71,8 +73,8 @@ int main(int argc, char** argv) {
   std::vector<float> x(kEmbd), out(static_cast<size_t>(kUsed) * kEmbd);
   for (auto& v : x) v = nd(rng);
   std::vector<int32_t> tok(kUsed, 0);
-  const char* modes[] = {"none", "read-all", "read-2", "pf-all", "sliced"};
-  constexpr int kModes = 5;
+  const char* modes[] = {"none", "read-all", "read-2", "pf-all", "sliced", "hot"};
+  constexpr int kModes = 6;
   double t_sum[kModes] = {}, fetched[kModes] = {};
   for (int rep = 0; rep < reps; ++rep) {
     for (int m = 0; m < kModes; ++m) {  // modes interleaved, each with fresh experts
@@ -81,7 +83,9 @@ int main(int argc, char** argv) {
         const int32_t e = static_cast<int32_t>(rng() % kExperts);
         if (std::find(ids.begin(), ids.end(), e) == ids.end()) ids.push_back(e);
       }
-      std::vector<int32_t> guessed = m == 0 ? std::vector<int32_t>{} : m == 2 ? std::vector<int32_t>(ids.begin(), ids.begin() + 2) : ids;
+      std::vector<int32_t> guessed = m == 0 || m == 5 ? std::vector<int32_t>{}
+                                     : m == 2   ? std::vector<int32_t>(ids.begin(), ids.begin() + 2)
+                                                : ids;
       std::vector<size_t> per_thread(static_cast<size_t>(pool.size()), 0);
       const auto t0 = std::chrono::steady_clock::now();
       pool.run([&](int tid, int nth) {
@@ -105,6 +109,8 @@ int main(int argc, char** argv) {
         while (!stop()) {
         }  // the rest of the wait (the routing has not come yet)
       });
+      if (m == 5)
+        cpu::expert_ffn(pool, w, x.data(), 1, kEmbd, tok.data(), ids.data(), kUsed, out.data(), scratch, nullptr, {});
       const auto t1 = std::chrono::steady_clock::now();
       cpu::expert_ffn(pool, w, x.data(), 1, kEmbd, tok.data(), ids.data(), kUsed, out.data(), scratch, nullptr,
                       guessed);

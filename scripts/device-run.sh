@@ -119,6 +119,8 @@ fi
 if want hybrid; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
   echo "== hybrid decode (cpus: $(nproc); $(lscpu | grep -E '^Thread\(s\) per core|^Core\(s\) per socket' | tr -s ' ' | tr '\n' ';'))"
+  sync  # (the model file's write-back would compete for memory and disk with what is measured)
+  echo "load: $(cat /proc/loadavg); vmstat:"; vmstat 1 3 | tail -n 3
   if [ -x "$BIN/fitmoe_expert_prefetch" ] && [ -z "${HYB_NO_PREFETCH_BENCH:-}" ]; then
     for w in ${HYB_WAITS:-40 80}; do
       echo "-- fitmoe_expert_prefetch $(( $(nproc) - 1 )) $w 300"

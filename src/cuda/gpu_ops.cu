@@ -1641,38 +1641,6 @@ __global__ void l2_prefetch_kernel(const L2Ranges r) {
   for (int i = 0; i < r.count; ++i) prefetch_l2(r.p[i], r.n[i], first, stride);
 }
 
-// The input of the next hybrid layer's predicted routing (one token): xp = rms_norm(x + sum of the
-// device-resident slots' weighted rows of ey) * w. A prediction only (the CPU prefetches the experts
-// it names), so the slots the CPU computes are left out and no order of the sum is owed to anyone.
-__global__ void predict_input_kernel(const float* x, const float* __restrict__ ey, const int32_t* __restrict__ ids,
-                                     const int32_t* __restrict__ slot_of, int n_expert, const float* __restrict__ wts,
-                                     int k, const float* __restrict__ w, float* __restrict__ xp, int n, float eps) {
-  pdl_enter();
-  __shared__ double part[32];
-  __shared__ const float* src[32];
-  __shared__ float wt[32];
-  __shared__ int n_src;
-  const int tid = threadIdx.x, nth = blockDim.x;
-  if (tid == 0) {
-    int m = 0;
-    for (int j = 0; j < k; ++j) {
-      const int32_t e = ids[j];
-      if (e >= 0 && e < n_expert && slot_of[e] >= 0) src[m] = ey + static_cast<int64_t>(j) * n, wt[m++] = wts[j];
-    }
-    n_src = m;
-  }
-  __syncthreads();
-  double s = 0;
-  for (int i = tid; i < n; i += nth) {
-    float v = x[i];
-    for (int j = 0; j < n_src; ++j) v = fmaf(wt[j], src[j][i], v);
-    xp[i] = v;
-    s += static_cast<double>(v) * v;
-  }
-  const float scale = block_rms_scale(s, n, eps, part);
-  for (int i = tid; i < n; i += nth) xp[i] = xp[i] * scale * w[i];
-}
-
 __global__ void copy_rows_kernel(const float* __restrict__ src, int64_t ld_src, const int32_t* __restrict__ src_rows,
                                  float* __restrict__ dst, int64_t ld_dst, const int32_t* __restrict__ dst_rows, int width) {
   const int i = blockIdx.y;
@@ -3337,15 +3305,6 @@ void l2_prefetch(std::initializer_list<std::pair<const void*, size_t>> ranges, S
   if (r.count == 0) return;
   launch(l2_prefetch_kernel, 128u, 256, 0, cs(s), r);  // (a hint: any grid covers the lines)
   launched("l2_prefetch");
-}
-
-void predict_route_input(const float* x, const float* ey, const int32_t* ids, const int32_t* slot_of, int n_expert,
-                         const float* wts, int k, const float* w, float* xp, int n, float eps, Stream s) {
-  if (!x || !w || !xp || n <= 0) fail("predict_route_input: x, w and xp are required");
-  if (k < 0 || k > 32 || (k > 0 && (!ey || !ids || !slot_of || !wts)))
-    fail("predict_route_input: at most 32 slots, with ey, ids, slot_of and wts");
-  launch(predict_input_kernel, 1, kNormThreads, 0, cs(s), x, ey, ids, slot_of, n_expert, wts, k, w, xp, n, eps);
-  launched("predict_route_input");
 }
 
 void copy_rows(const float* src, int64_t ld_src, const int32_t* src_rows, float* dst, int64_t ld_dst,

@@ -131,12 +131,6 @@ void handover_combine(const unsigned* host_flag, const unsigned* epoch, const fl
 // fetches the next layer's attention and router weights while the GPU would otherwise only wait for
 // the CPU's experts.
 void l2_prefetch(std::initializer_list<std::pair<const void*, size_t>> ranges, Stream s);
-// Hybrid decode's routing prediction (one token): xp = rms_norm(x + sum_j wts[j] * row j of ey over the
-// k slots whose expert slot_of places on the device) * w, the input to route the next layer with
-// before its attention has run (router_topk then publishes the guess; the CPU prefetches those
-// experts' weights while it waits for the real routing). Not bit-exact with anything: a guess.
-void predict_route_input(const float* x, const float* ey, const int32_t* ids, const int32_t* slot_of, int n_expert,
-                         const float* wts, int k, const float* w, float* xp, int n, float eps, Stream s);
 void copy_rows(const float* src, int64_t ld_src, const int32_t* src_rows, float* dst, int64_t ld_dst,
                const int32_t* dst_rows, int n, int width, Stream s);
 

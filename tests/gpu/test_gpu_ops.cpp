@@ -581,43 +581,6 @@ TEST_F(GpuOps, RoutingIsPublishedToPinnedMemory) {
   free_pinned(h_flag);
 }
 
-// The input of a routing guess: rms_norm(x + the device-resident slots' weighted rows) * w, against a
-// double-precision sum (a guess owes no bits to anything); slots on the host, and a NaN choice (-1),
-// are left out; no slots at all norms x alone.
-TEST_F(GpuOps, PredictRouteInputNormsXPlusTheDeviceSlots) {
-  const int n = 2048, n_expert = 16, k = 8;
-  const std::vector<float> xh = randn(n, 641, 1.0f), wh = randn(n, 642, 1.0f), ey = randn(static_cast<size_t>(k) * n, 643, 0.5f);
-  const std::vector<float> wts = {0.3f, 0.2f, 0.15f, 0.1f, 0.1f, 0.08f, 0.05f, 0.02f};
-  const std::vector<int32_t> ids = {3, 8, 1, -1, 12, 5, 14, 0};
-  std::vector<int32_t> slot_of(n_expert);
-  for (int e = 0; e < n_expert; ++e) slot_of[e] = e % 2 ? -1 : e / 2;  // even experts on the device
-  auto dx = upload(xh), dw = upload(wh), dey = upload(ey), dwts = upload(wts), dids = upload(ids), dslot = upload(slot_of);
-  for (int with_slots : {1, 0}) {
-    SCOPED_TRACE(with_slots ? "device slots" : "x alone");
-    Dev xp(n * 4);
-    predict_route_input(dx->as<float>(), with_slots ? dey->as<float>() : nullptr, dids->as<int32_t>(),
-                        dslot->as<int32_t>(), n_expert, dwts->as<float>(), with_slots ? k : 0, dw->as<float>(),
-                        xp.as<float>(), n, 1e-6f, s());
-    sync();
-    std::vector<double> v(n);
-    double sq = 0;
-    for (int i = 0; i < n; ++i) {
-      v[i] = xh[i];
-      if (with_slots)
-        for (int j = 0; j < k; ++j)
-          if (ids[j] >= 0 && slot_of[ids[j]] >= 0) v[i] += static_cast<double>(wts[j]) * ey[static_cast<size_t>(j) * n + i];
-      sq += v[i] * v[i];
-    }
-    const double scale = 1.0 / std::sqrt(sq / n + 1e-6);
-    const auto got = xp.down<float>(n);
-    for (int i = 0; i < n; ++i) ASSERT_NEAR(got[i], v[i] * scale * wh[i], 1e-4 * (1 + std::fabs(v[i] * scale * wh[i]))) << i;
-  }
-  Dev xp(n * 4);
-  EXPECT_THROW(predict_route_input(dx->as<float>(), nullptr, dids->as<int32_t>(), dslot->as<int32_t>(), n_expert,
-                                   dwts->as<float>(), k, dw->as<float>(), xp.as<float>(), n, 1e-6f, s()),
-               Error);
-}
-
 // Down products with the combination fused: the same bits as matvec_experts (one row per slot) and
 // moe_combine, for k = 8 and a k below the kernel's maximum.
 TEST_F(GpuOps, MatvecExpertsCombineEqualsExpertsAndCombine) {
