@@ -1628,19 +1628,6 @@ __global__ void handover_combine_kernel(const unsigned* flag, const unsigned* ep
   *xr = __fadd_rn(*xr, o);
 }
 
-// Hints up to kL2Ranges byte ranges into L2, their 128-byte lines spread over the whole grid.
-constexpr int kL2Ranges = 8;
-struct L2Ranges {
-  const uint8_t* p[kL2Ranges];
-  size_t n[kL2Ranges];
-  int count;
-};
-__global__ void l2_prefetch_kernel(const L2Ranges r) {
-  pdl_enter();
-  const int first = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
-  for (int i = 0; i < r.count; ++i) prefetch_l2(r.p[i], r.n[i], first, stride);
-}
-
 __global__ void copy_rows_kernel(const float* __restrict__ src, int64_t ld_src, const int32_t* __restrict__ src_rows,
                                  float* __restrict__ dst, int64_t ld_dst, const int32_t* __restrict__ dst_rows, int width) {
   const int i = blockIdx.y;
@@ -3292,19 +3279,6 @@ void handover_combine(const unsigned* host_flag, const unsigned* epoch, const fl
     launch(handover_combine_kernel<32>, grid, 256, 0, st, host_flag, epoch, host_rows, ey, ey_host, ids, slot_of,
            n_expert, gpu_slots, wts, k, x, width, stamp);
   launched("handover_combine");
-}
-
-void l2_prefetch(std::initializer_list<std::pair<const void*, size_t>> ranges, Stream s) {
-  L2Ranges r{};
-  for (const auto& [p, n] : ranges) {
-    if (!p || n == 0) continue;
-    if (r.count == kL2Ranges) fail("l2_prefetch: at most " + std::to_string(kL2Ranges) + " ranges");
-    r.p[r.count] = static_cast<const uint8_t*>(p);
-    r.n[r.count++] = n;
-  }
-  if (r.count == 0) return;
-  launch(l2_prefetch_kernel, 128u, 256, 0, cs(s), r);  // (a hint: any grid covers the lines)
-  launched("l2_prefetch");
 }
 
 void copy_rows(const float* src, int64_t ld_src, const int32_t* src_rows, float* dst, int64_t ld_dst,

@@ -15,8 +15,6 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
-#include <initializer_list>
-#include <utility>
 
 #include "quant/dtype.h"
 
@@ -127,10 +125,6 @@ void handover_combine(const unsigned* host_flag, const unsigned* epoch, const fl
                       const int32_t* gpu_slots, const float* wts, int k, float* x, int n_tokens, int width, Stream s,
                       unsigned long long* stamp = nullptr);
 // (stamp, for FITMOE_HOST_PROFILE: the GPU's clock (%globaltimer, ns) when the flag was seen.)
-// Hints byte ranges of device memory into L2 (at most 8; null or empty ones are skipped): hybrid decode
-// fetches the next layer's attention and router weights while the GPU would otherwise only wait for
-// the CPU's experts.
-void l2_prefetch(std::initializer_list<std::pair<const void*, size_t>> ranges, Stream s);
 void copy_rows(const float* src, int64_t ld_src, const int32_t* src_rows, float* dst, int64_t ld_dst,
                const int32_t* dst_rows, int n, int width, Stream s);
 

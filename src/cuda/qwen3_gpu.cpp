@@ -944,17 +944,6 @@ class Qwen3Gpu final : public GpuRunner {
     const GExperts& X = layers_[l].experts;
     void* xq = last ? nullptr : xn_q_for(st, layers_[l + 1].wq, nt);
     if (host_rows) {
-      // While the CPU runs this layer's experts the GPU has nothing to do: it pulls the next layer's
-      // attention and router weights into L2, so that the critical path after the hand-over reads them
-      // from there.
-      if (l2_next_ && !last && nt == 1) {
-        const GLayer& N = layers_[l + 1];
-        auto range = [](const GWeight& w) {
-          return std::pair<const void*, size_t>(w.on_gpu() ? w.dev.data : nullptr,
-                                                w.on_gpu() ? w.dev.mat_bytes * static_cast<size_t>(w.dev.n_mats) : 0);
-        };
-        gpu::l2_prefetch({range(N.wq), range(N.wk), range(N.wv), range(N.wo), range(N.router)}, stream_);
-      }
       // The CPU's rows come straight from pinned memory into the combination, spread over the row;
       // then only the norm is left.
       gpu::handover_combine(st.flags_dev + l, st.epoch_dev, st.ey_slots_dev, st.ey, st.ey_host, st.ids, X.slot_of_dev,
@@ -1414,11 +1403,6 @@ class Qwen3Gpu final : public GpuRunner {
     }
   } host_prof_;
   RoutingGuessStats guess_stats_;
-  // FITMOE_L2_NEXT=0: no L2 prefetch of the next layer's attention weights during hybrid layers' CPU work.
-  const bool l2_next_ = [] {
-    const char* e = std::getenv("FITMOE_L2_NEXT");
-    return !(e && std::string(e) == "0");
-  }();
   // FITMOE_PREDICT=0 turns the routing guess and the prefetch off (for A/B measurements).
   const bool predict_ = [] {
     const char* e = std::getenv("FITMOE_PREDICT");
