@@ -21,17 +21,27 @@ nccl=$(find / -name 'libnccl.so.2' -not -path '/proc/*' 2>/dev/null | head -n 1)
 MODEL=/tmp/fitmoe-q3moe-30b-a3b-q4_k_m.gguf
 OT='blk\.([0-9]|[12][0-9]|3[0-5])\.ffn_(gate|up|down)_exps\.weight=CPU'
 [ -x "$BIN/llama-bench" ] || { echo "no llama-bench in refbin/"; exit 1; }
+# Shared libraries the reference's build wants (CUDA runtime, cuBLAS): wherever this machine has them.
+for lib in $(ldd "$BIN/llama-bench" | awk '/not found/ {print $1}'); do
+  f=$(find / -name "$lib" -not -path '/proc/*' 2>/dev/null | head -n 1)
+  [ -n "$f" ] && export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$(dirname "$f")
+done
+ldd "$BIN/llama-bench" | grep 'not found' && echo "(the reference will not start: libraries missing)"
+# Weights of host-resident tensors in pinned memory, not the file mapping: "-mmp 0" (builds from
+# before that flag's rename take REF_LOAD="-lm none").
+REF_LOAD=${REF_LOAD:--mmp 0}
 [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 1
 
 echo "== reference, all on the GPU"
-"$BIN/llama-bench" -m "$MODEL" -ngl 99 -fa on -p 512,2048 -n 128 -r 3 2>&1 | grep -E '^\|'
+"$BIN/llama-bench" -m "$MODEL" -ngl 99 -fa on -p 512,2048 -n 128 -r 3 2>&1 | grep -E '^\||error|failed' 
 echo "== reference, 36/48 layers' experts on the host (pinned, q8_0 KV), micro-batch 512 and 2048"
-"$BIN/llama-bench" -m "$MODEL" -ngl 99 -fa on -ot "$OT" -ctk q8_0 -ctv q8_0 -lm none -ub 512,2048 -p 512,2048 -n 128 -r 3 2>&1 | grep -E '^\|'
+"$BIN/llama-bench" -m "$MODEL" -ngl 99 -fa on -ot "$OT" -ctk q8_0 -ctv q8_0 $REF_LOAD -ub 512,2048 -p 512,2048 -n 128 -r 3 2>&1 | grep -E '^\|'
 
 echo "== fitmoe, all on the GPU"
 "$BIN/fitmoe" bench -m "$MODEL" -p 512,2048 -n 128 -r 3 2>/dev/null
 echo "== fitmoe, --vram 8G"
-"$BIN/fitmoe" bench -m "$MODEL" --vram 8G -p 512,2048 -n 128 -r 3 2>/dev/null
+FITMOE_HOST_PROFILE=1 "$BIN/fitmoe" bench -m "$MODEL" --vram 8G -p 512,2048 -n 128 -r 3 2>/tmp/fitmoe-8g.err
+grep -E '^host experts|^GPU clock|^routing guesses' /tmp/fitmoe-8g.err
 # REF_QUICK=1: only the comparisons above (when device time is short).
 [ -n "${REF_QUICK:-}" ] && exit 0
 echo "== fitmoe, --vram 8G with the CPU computing every host expert (no GPU share)"
