@@ -189,10 +189,10 @@ class GpuState final : public ModelState {
   unsigned* h_route_flags = nullptr;
   unsigned* route_flags_dev = nullptr;
   gpu::RoutePublish route_pub;  // h_ids and h_xn as the GPU sees them (flag: per layer, set at use)
-  // Hybrid decode's routing guess: right after a hybrid layer's routing the GPU routes the next hybrid
-  // layer from x (before that layer's attention, and this layer's experts, have run) and publishes the
-  // guess into h_pred_ids (k per layer, most likely first) and the layer's h_pred_flags; the CPU reads
-  // those experts' weights into its caches while it waits for the real routing.
+  // Hybrid decode's routing guess: right after hybrid layer l's routing the GPU routes layer l + 1 (when
+  // that is hybrid too) from x (before that layer's attention, and layer l's experts, have run) and
+  // publishes the guess into h_pred_ids (k per layer, most likely first) and the layer's h_pred_flags;
+  // the CPU reads those experts' weights into its caches while it waits for the real routing.
   float *xp = nullptr, *plogits = nullptr, *pwts = nullptr;
   int32_t* pids = nullptr;
   unsigned* pred_done = nullptr;  // (router_topk's counter for the prediction)
@@ -843,16 +843,23 @@ class Qwen3Gpu final : public GpuRunner {
   // guess's i-th choice is among the real ones 92, 90, 89, 84, 76, 68, 59, 48% of the time for i = 1..8
   // (74% in all; 76% with layer l's GPU-side experts added to x, 86% with all of them).
   void predict_next_route(GpuState& st, int l, int nt) {
-    if (!predict_ || nt != 1 || l + 1 >= c_.n_layer || !hybrid(l) || !hybrid(l + 1)) return;
+    if (nt != 1 || !guesses_route(l + 1)) return;
     const GLayer& N = layers_[l + 1];
-    if (!N.router.on_gpu() || N.router.dev.type != DType::F32) return;
     const int k = c_.n_expert_used;
     gpu::rms_norm(st.x, N.ffn_norm, st.xp, c_.n_embd, 1, c_.rms_eps, c_.n_embd, c_.n_embd, stream_);
     gpu::RoutePublish pub = st.pred_pub;
     pub.ids += static_cast<ptrdiff_t>(l + 1) * k;
     pub.flag += l + 1;
-    gpu::router_topk(N.router.dev, st.xp, 1, st.plogits, k, st.pids, st.pwts, st.pred_done, stream_, pub);
+    if (!gpu::router_topk(N.router.dev, st.xp, 1, st.plogits, k, st.pids, st.pwts, st.pred_done, stream_, pub))
+      throw Error("internal: the routing guess of layer " + std::to_string(l + 1) + " was refused");
     prof_.mark("next layer's routing guessed", stream_);
+  }
+  // Whether decode guesses hybrid layer l's routing one layer early (see predict_next_route): layer
+  // l - 1 must be hybrid too, and layer l's router one that router_topk takes.
+  bool guesses_route(int l) const {
+    if (!predict_ || l < 1 || l >= c_.n_layer || !hybrid(l) || !hybrid(l - 1)) return false;
+    const DevMatrix& r = layers_[l].router.dev;
+    return layers_[l].router.on_gpu() && r.type == DType::F32 && r.n_mats == 1 && r.rows <= 512;
   }
 
   bool hybrid(int l) const { return layers_[l].moe && layers_[l].experts.n_dev < c_.n_expert; }
@@ -882,17 +889,36 @@ class Qwen3Gpu final : public GpuRunner {
     GExperts& X = layers_[l].experts;
     const auto t0 = std::chrono::steady_clock::now();
     // While the GPU runs this layer's attention block and routing, the host's memory would sit idle:
-    // every thread prefetches its slices of the host-resident experts the GPU guessed (most likely
-    // first) until the real routing arrives, and computes those same slices afterwards.
+    // every thread reads its slices of the host-resident experts the GPU guessed (most likely first)
+    // into its caches until the real routing arrives, and computes those same slices afterwards.
     std::vector<int32_t> guessed;
     size_t prefetched = 0;
-    if (nt == 1 && predict_ && st.h_pred_flags &&
-        std::atomic_ref<unsigned>(st.h_pred_flags[l]).load(std::memory_order_acquire) == st.epoch) {
+    const std::atomic_ref<unsigned> route(st.h_route_flags[l]);
+    bool guess = nt == 1 && st.h_pred_flags && guesses_route(l);
+    if (guess) {
+      // The guess comes a little before the routing (right after the previous layer's routing, as two
+      // small launches); if the routing comes first, there is no time to read ahead anyway.
+      const std::atomic_ref<unsigned> pred(st.h_pred_flags[l]);
+      for (unsigned spins = 0; pred.load(std::memory_order_acquire) != st.epoch; ++spins) {
+        if (route.load(std::memory_order_acquire) == st.epoch || spins > (1u << 24)) {
+          guess = false;
+          break;
+        }
+        _mm_pause();
+      }
+    }
+    if (guess) {
       for (int j = 0; j < k; ++j) {
         const int32_t e = st.h_pred_ids[static_cast<size_t>(l) * k + j];
         if (e >= 0 && e < c_.n_expert && X.slot_of[e] < 0) guessed.push_back(e);
       }
-      const std::atomic_ref<unsigned> route(st.h_route_flags[l]);
+      // The GPU's share takes the last host-resident slots of a token (gpu::RoutePublish), and the
+      // routing lists a token's choices most likely first, as the guess does: leave out those.
+      if (X.gpu_share()) {
+        const float share = static_cast<float>(plan_.host_experts_gpu_share);
+        const int take = static_cast<int>(static_cast<float>(guessed.size()) * share + 0.25f);
+        guessed.resize(guessed.size() - std::min<size_t>(guessed.size(), static_cast<size_t>(std::max(take, 0))));
+      }
       std::vector<size_t> per_thread(static_cast<size_t>(pool.size()), 0);
       pool.run([&](int tid, int nth) {
         per_thread[tid] = cpu::prefetch_expert_slices(*X.host, guessed, tid, nth, [&] {
@@ -924,7 +950,8 @@ class Qwen3Gpu final : public GpuRunner {
       distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
       ++guess_stats_.layer_steps;
       guess_stats_.guessed += static_cast<long>(guessed.size());
-      for (const int32_t e : guessed) guess_stats_.chosen += std::binary_search(distinct.begin(), distinct.end(), e);
+      // (Right when the routing chose it, whichever side then computed it.)
+      for (const int32_t e : guessed) guess_stats_.chosen += std::find(st.h_ids, st.h_ids + n_slots, e) != st.h_ids + n_slots;
       guess_stats_.prefetched_bytes += static_cast<double>(prefetched);
       if (host_prof_.on) {
         const double per_expert = static_cast<double>(X.host->gate.matrix_bytes() + X.host->up.matrix_bytes() +
@@ -1087,6 +1114,7 @@ class Qwen3Gpu final : public GpuRunner {
       for (int l = 0; l < L; ++l)
         if (hybrid(l)) hyb.push_back(l);
       host_prof_.add_step(st.h_stamps, hyb);
+      std::memset(st.h_stamps, 0, sizeof(unsigned long long) * 2 * L);  // (the stream is idle here)
     }
   }
 
@@ -1382,7 +1410,7 @@ class Qwen3Gpu final : public GpuRunner {
         const int a = hybrid_layers[i], b = hybrid_layers[i + 1];
         const double seen_a = static_cast<double>(stamps[2 * a]), pub_b = static_cast<double>(stamps[2 * b + 1]),
                      seen_b = static_cast<double>(stamps[2 * b]);
-        if (!(seen_a > 0 && pub_b >= seen_a && seen_b >= pub_b)) continue;  // (a stamp not written this step)
+        if (!(seen_a > 0 && pub_b >= seen_a && seen_b >= pub_b)) continue;  // (a stamp this step did not write)
         gpu_ns += pub_b - seen_a;
         period_ns += seen_b - seen_a;
         ++gpu_n;

@@ -292,21 +292,14 @@ void route_softmax_topk(const float* logits, int n_expert, int k, bool renormali
 
 void fetch_lines(const uint8_t* p, size_t n) {
   if (n == 0) return;
-  // From the line holding p (a range that starts mid-line still gets its first line; the bytes read
-  // before p are in p's own line, so in memory that exists); four sums so that the loads are
-  // independent and in flight together, and the compiler keeps them all.
-  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63};
-  const size_t lines = (reinterpret_cast<uintptr_t>(p) + n - first + 63) / 64;
-  auto word = [&](size_t i) {
-    uint64_t v;
-    std::memcpy(&v, reinterpret_cast<const void*>(first + 64 * i), sizeof v);
-    return v;
-  };
-  uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-  size_t i = 0;
-  for (; i + 4 <= lines; i += 4) s0 += word(i), s1 += word(i + 1), s2 += word(i + 2), s3 += word(i + 3);
-  for (; i < lines; ++i) s0 += word(i);
-  const uint64_t s = s0 + s1 + s2 + s3;
+  // A byte of every 64-byte line that [p, p + n) touches: p itself, then each line start after it.
+  // Four sums, so that the loads are independent and in flight together, and kept by the compiler.
+  const uint8_t* const end = p + n;
+  const uint8_t* line = p + (64 - (reinterpret_cast<uintptr_t>(p) & 63));
+  unsigned s0 = *p, s1 = 0, s2 = 0, s3 = 0;
+  for (; line + 3 * 64 < end; line += 4 * 64) s0 += line[0], s1 += line[64], s2 += line[128], s3 += line[192];
+  for (; line < end; line += 64) s0 += *line;
+  const unsigned s = s0 + s1 + s2 + s3;
   __asm__ volatile("" ::"r"(s));
 }
 

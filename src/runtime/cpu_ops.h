@@ -116,7 +116,9 @@ constexpr int kExpertFfnStaticTokens = 8;
 void expert_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tokens, int n_embd,
                 const int32_t* token_of_slot, const int32_t* experts, int n_slots, float* out, Scratch& scratch,
                 const int32_t* out_rows = nullptr, std::span<const int32_t> sliced = {});
-// Rows [first, second) of a `rows`-row matrix that thread t of nth takes in the sliced split.
+// Rows [first, second) of a `rows`-row matrix that thread t of nth takes in the sliced split. Not in
+// multiples of the kernels' 16-row blocking, unlike the shared split: rounded, 768 rows over 15
+// threads would give some threads 64 rows of every sliced expert and others 48.
 inline std::pair<int64_t, int64_t> expert_slice(int64_t rows, int t, int nth) {
   return {rows * t / nth, rows * (t + 1) / nth};
 }

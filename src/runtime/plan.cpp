@@ -420,15 +420,17 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
     // in the caches (kCpuDecodeBytesPerThread per thread: 112 GB/s on 15 threads of the H200 host,
     // 2026-12-02, bench/expert_prefetch.cpp). While the GPU runs a hybrid layer's attention block
     // (about its launches' time) the CPU reads the experts the GPU guessed for it, kGuessChosen of them
-    // chosen in the end (74-75% on the H200 host): in every hybrid layer after the first those bytes
-    // then cost only the kernels' time. (The same benchmark: 15.3 MB of experts in 202 us cold, 137 us
+    // chosen in the end (74-75% on the H200 host): in every hybrid layer whose layer before is hybrid
+    // too (the guess comes from there) those bytes then cost only the kernels' time. (The same benchmark: 15.3 MB of experts in 202 us cold, 137 us
     // cached, 186 us with 4 MB of them read ahead: the parts add up.)
     constexpr double kCpuDecodeBytesPerThread = 7.5e9, kGuessChosen = 0.75;
     const double cpu_bytes = hb - gpu_part;
     const double cpu_bw = std::max(1, m.cpu_threads) * kCpuDecodeBytesPerThread;
+    int guessed_layers = 0;
+    for (int l = 1; l < cfg.n_layer; ++l) guessed_layers += host_experts_of_layer[l] > 0 && host_experts_of_layer[l - 1] > 0;
     const double read_ahead =
-        hybrid_layers > 1 ? std::min(cpu_bytes * (hybrid_layers - 1) / hybrid_layers,
-                                     (hybrid_layers - 1) * kGuessChosen * kHybridLayerLaunches * m.host_mem_bw)
+        hybrid_layers > 0 ? std::min(cpu_bytes * guessed_layers / hybrid_layers,
+                                     guessed_layers * kGuessChosen * kHybridLayerLaunches * m.host_mem_bw)
                           : 0.0;
     const double t_cpu_experts = (cpu_bytes - read_ahead) / std::min(m.host_mem_bw, cpu_bw) + read_ahead / cpu_bw;
     const double t_host = std::max(t_cpu_experts, zc_bw > 0 ? gpu_part / zc_bw : 0.0) + hybrid_layers * kHybridSync;

@@ -205,19 +205,23 @@ TEST(GpuDecode, DependentLaunchGivesTheSameBits) {
   }
 }
 
-// Hybrid decode guesses each hybrid layer's routing from the layer before and prefetches the guessed
-// host experts, which the CPU then computes in slices by thread: the same logits, bit for bit, as
-// without guesses (FITMOE_PREDICT=0); and the guesses are made (every hybrid layer step after the first
-// of a token), published and mostly right.
+// Hybrid decode guesses each hybrid layer's routing from the layer before and reads the guessed host
+// experts ahead, which the CPU then computes in slices by thread: the same logits, bit for bit, as
+// without guesses (FITMOE_PREDICT=0), with decode graphs and without (the micro-batch path); and the
+// guesses are made (qwen3moe-tiny has two layers, both hybrid here: layer 1 is guessed from layer 0),
+// published and mostly right.
 TEST(GpuDecode, RoutingGuessesChangeNoBits) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA GPU";
   const std::string dir = test::testdata("qwen3moe-tiny");
-  for (const char* mode : {"half_budget", "cpu_moe"}) {
+  for (const char* mode : {"half_budget", "cpu_moe", "cpu_moe/nographs"}) {
     RoutingGuessStats stats;
+    const bool graphs = std::string(mode).find("nographs") == std::string::npos;
     auto run = [&](bool guess) {
       if (!guess) setenv("FITMOE_PREDICT", "0", 1);
-      auto model = load_gpu(dir + "/qwen3moe-tiny-q4_k_m.gguf", mode);
+      if (!graphs) setenv("FITMOE_NO_GRAPHS", "1", 1);
+      auto model = load_gpu(dir + "/qwen3moe-tiny-q4_k_m.gguf", mode);  // (load_gpu ignores "/nographs")
       unsetenv("FITMOE_PREDICT");
+      unsetenv("FITMOE_NO_GRAPHS");
       SessionOptions so;
       so.n_threads = 3;
       so.n_ctx = 512;
