@@ -9,6 +9,7 @@
 #include <random>
 #include <vector>
 
+#include "expert_stack.h"
 #include "quant/dtype.h"
 #include "quant/kernels.h"
 #include "runtime/cpu_ops.h"
@@ -25,25 +26,12 @@ struct ExpertPool {
   size_t bytes_per_expert = 0;
 };
 
-Weight stack(DType t, int64_t cols, int64_t rows, std::vector<uint8_t>& mem, uint64_t seed) {
-  Weight w;
-  w.type = t;
-  w.ne[0] = cols;
-  w.ne[1] = rows;
-  w.ne[2] = kExperts;
-  w.row_bytes = row_bytes(t, cols);
-  mem.resize(w.row_bytes * rows * kExperts);
-  quant::fill_random_rows(t, mem.data(), rows * kExperts, cols, 0.02f, seed);
-  w.host = mem.data();
-  return w;
-}
-
 const ExpertPool& experts() {
   static ExpertPool p = [] {
     ExpertPool e;
-    e.w.gate = stack(DType::Q4_K, kEmbd, kFf, e.gate, 1);
-    e.w.up = stack(DType::Q4_K, kEmbd, kFf, e.up, 2);
-    e.w.down = stack(DType::Q6_K, kFf, kEmbd, e.down, 3);
+    e.w.gate = bench::random_expert_stack(DType::Q4_K, kEmbd, kFf, kExperts, e.gate, 1);
+    e.w.up = bench::random_expert_stack(DType::Q4_K, kEmbd, kFf, kExperts, e.up, 2);
+    e.w.down = bench::random_expert_stack(DType::Q6_K, kFf, kEmbd, kExperts, e.down, 3);
     e.bytes_per_expert = e.w.gate.matrix_bytes() + e.w.up.matrix_bytes() + e.w.down.matrix_bytes();
     return e;
   }();

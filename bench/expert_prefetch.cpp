@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "expert_stack.h"
 #include "quant/dtype.h"
 #include "quant/kernels.h"
 #include "runtime/cpu_ops.h"
@@ -33,19 +34,6 @@ using namespace fitmoe;
 namespace {
 
 constexpr int kExperts = 384, kEmbd = 2048, kFf = 768, kUsed = 5;
-
-Weight stack(DType t, int64_t cols, int64_t rows, std::vector<uint8_t>& mem, uint64_t seed) {
-  Weight w;
-  w.type = t;
-  w.ne[0] = cols;
-  w.ne[1] = rows;
-  w.ne[2] = kExperts;
-  w.row_bytes = row_bytes(t, cols);
-  mem.resize(w.row_bytes * rows * kExperts);
-  quant::fill_random_rows(t, mem.data(), rows * kExperts, cols, 0.02f, seed);
-  w.host = mem.data();
-  return w;
-}
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -60,9 +48,9 @@ int main(int argc, char** argv) {
   const int reps = argc > 3 ? std::atoi(argv[3]) : 200;
   std::vector<uint8_t> mg, mu, md;
   cpu::ExpertWeights w;
-  w.gate = stack(DType::Q4_K, kEmbd, kFf, mg, 1);
-  w.up = stack(DType::Q4_K, kEmbd, kFf, mu, 2);
-  w.down = stack(DType::Q6_K, kFf, kEmbd, md, 3);
+  w.gate = bench::random_expert_stack(DType::Q4_K, kEmbd, kFf, kExperts, mg, 1);
+  w.up = bench::random_expert_stack(DType::Q4_K, kEmbd, kFf, kExperts, mu, 2);
+  w.down = bench::random_expert_stack(DType::Q6_K, kFf, kEmbd, kExperts, md, 3);
   const double per_expert = static_cast<double>(w.gate.matrix_bytes() + w.up.matrix_bytes() + w.down.matrix_bytes());
   std::printf("pool: %d experts, %.2f GB; %d threads; fetch time %.0f us; %d reps per mode\n", kExperts,
               per_expert * kExperts / 1e9, threads, wait_s * 1e6, reps);

@@ -888,45 +888,8 @@ class Qwen3Gpu final : public GpuRunner {
     const int E = c_.n_embd, k = c_.n_expert_used, n_slots = nt * k;
     GExperts& X = layers_[l].experts;
     const auto t0 = std::chrono::steady_clock::now();
-    // While the GPU runs this layer's attention block and routing, the host's memory would sit idle:
-    // every thread reads its slices of the host-resident experts the GPU guessed (most likely first)
-    // into its caches until the real routing arrives, and computes those same slices afterwards.
-    std::vector<int32_t> guessed;
     size_t prefetched = 0;
-    const std::atomic_ref<unsigned> route(st.h_route_flags[l]);
-    bool guess = nt == 1 && st.h_pred_flags && guesses_route(l);
-    if (guess) {
-      // The guess comes a little before the routing (right after the previous layer's routing, as two
-      // small launches); if the routing comes first, there is no time to read ahead anyway.
-      const std::atomic_ref<unsigned> pred(st.h_pred_flags[l]);
-      for (unsigned spins = 0; pred.load(std::memory_order_acquire) != st.epoch; ++spins) {
-        if (route.load(std::memory_order_acquire) == st.epoch || spins > (1u << 24)) {
-          guess = false;
-          break;
-        }
-        _mm_pause();
-      }
-    }
-    if (guess) {
-      for (int j = 0; j < k; ++j) {
-        const int32_t e = st.h_pred_ids[static_cast<size_t>(l) * k + j];
-        if (e >= 0 && e < c_.n_expert && X.slot_of[e] < 0) guessed.push_back(e);
-      }
-      // The GPU's share takes the last host-resident slots of a token (gpu::RoutePublish), and the
-      // routing lists a token's choices most likely first, as the guess does: leave out those.
-      if (X.gpu_share()) {
-        const float share = static_cast<float>(plan_.host_experts_gpu_share);
-        const int take = static_cast<int>(static_cast<float>(guessed.size()) * share + 0.25f);
-        guessed.resize(guessed.size() - std::min<size_t>(guessed.size(), static_cast<size_t>(std::max(take, 0))));
-      }
-      std::vector<size_t> per_thread(static_cast<size_t>(pool.size()), 0);
-      pool.run([&](int tid, int nth) {
-        per_thread[tid] = cpu::prefetch_expert_slices(*X.host, guessed, tid, nth, [&] {
-          return route.load(std::memory_order_acquire) == st.epoch;
-        });
-      });
-      for (const size_t b : per_thread) prefetched += b;
-    }
+    const std::vector<int32_t> guessed = nt == 1 ? read_guessed_ahead(st, pool, l, &prefetched) : std::vector<int32_t>{};
     wait_route(st, l);
     const auto t1 = std::chrono::steady_clock::now();
     std::vector<int32_t> tok, exp, slot;
@@ -945,20 +908,58 @@ class Qwen3Gpu final : public GpuRunner {
     // The rows before the flag (x86 keeps stores in order; the release keeps the compiler from moving them).
     std::atomic_ref<unsigned>(st.h_flags[l]).store(st.epoch, std::memory_order_release);
     if (nt == 1) {
-      std::vector<int32_t> distinct = exp;
-      std::sort(distinct.begin(), distinct.end());
-      distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
       ++guess_stats_.layer_steps;
       guess_stats_.guessed += static_cast<long>(guessed.size());
       // (Right when the routing chose it, whichever side then computed it.)
       for (const int32_t e : guessed) guess_stats_.chosen += std::find(st.h_ids, st.h_ids + n_slots, e) != st.h_ids + n_slots;
       guess_stats_.prefetched_bytes += static_cast<double>(prefetched);
       if (host_prof_.on) {
+        std::vector<int32_t> distinct = exp;
+        std::sort(distinct.begin(), distinct.end());
+        distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
         const double per_expert = static_cast<double>(X.host->gate.matrix_bytes() + X.host->up.matrix_bytes() +
                                                       X.host->down.matrix_bytes());
         host_prof_.add(t1 - t0, std::chrono::steady_clock::now() - t1, per_expert * static_cast<double>(distinct.size()));
       }
     }
+  }
+
+  // While the GPU runs hybrid layer l's attention block and routing (one token), the host's memory
+  // would sit idle: when the GPU guessed this layer's routing (see predict_next_route), every thread
+  // reads its slices of the guessed host-resident experts (most likely first) into its caches until
+  // the real routing arrives. Returns the experts read for, which the threads then compute by the same
+  // slices (cpu::expert_ffn's `sliced`); *bytes: what was read.
+  std::vector<int32_t> read_guessed_ahead(GpuState& st, ThreadPool& pool, int l, size_t* bytes) {
+    const int k = c_.n_expert_used;
+    const GExperts& X = layers_[l].experts;
+    std::vector<int32_t> guessed;
+    if (!st.h_pred_flags || !guesses_route(l)) return guessed;
+    const std::atomic_ref<unsigned> route(st.h_route_flags[l]), pred(st.h_pred_flags[l]);
+    // The guess comes a little before the routing (right after the previous layer's routing, as two
+    // small launches); if the routing comes first, there is no time to read ahead anyway.
+    for (unsigned spins = 0; pred.load(std::memory_order_acquire) != st.epoch; ++spins) {
+      if (route.load(std::memory_order_acquire) == st.epoch || spins > (1u << 24)) return guessed;
+      _mm_pause();
+    }
+    for (int j = 0; j < k; ++j) {
+      const int32_t e = st.h_pred_ids[static_cast<size_t>(l) * k + j];
+      if (e >= 0 && e < c_.n_expert && X.slot_of[e] < 0) guessed.push_back(e);
+    }
+    // The GPU's share takes the last host-resident slots of a token (gpu::RoutePublish's rule, mirrored
+    // here), and the routing lists a token's choices most likely first, as the guess does: leave out those.
+    if (X.gpu_share()) {
+      const float share = static_cast<float>(plan_.host_experts_gpu_share);
+      const int take = static_cast<int>(static_cast<float>(guessed.size()) * share + 0.25f);
+      guessed.resize(guessed.size() - std::min<size_t>(guessed.size(), static_cast<size_t>(std::max(take, 0))));
+    }
+    std::vector<size_t> per_thread(static_cast<size_t>(pool.size()), 0);
+    pool.run([&](int tid, int nth) {
+      per_thread[tid] = cpu::prefetch_expert_slices(*X.host, guessed, tid, nth, [&] {
+        return route.load(std::memory_order_acquire) == st.epoch;
+      });
+    });
+    for (const size_t b : per_thread) *bytes += b;
+    return guessed;
   }
 
   // End of the FFN block: add the FFN output (for MoE the experts' outputs combined) to the residual,

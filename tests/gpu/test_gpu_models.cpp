@@ -65,6 +65,27 @@ std::unique_ptr<Model> load_gpu(const std::string& path, const std::string& mode
   return m;
 }
 
+// Greedy decoding from a made-up prompt of n_prompt tokens ((i * 7919 + salt) % n_vocab): the prompt's
+// last logits, then `steps` single-token steps, each feeding back the argmax; every step's logits, in
+// order.
+std::vector<float> greedy_logits(Model& model, int n_ctx, int n_threads, int n_prompt, int salt, int steps) {
+  SessionOptions so;
+  so.n_threads = n_threads;
+  so.n_ctx = n_ctx;
+  Session s(model, so);
+  const int n_vocab = model.config().n_vocab;
+  std::vector<int32_t> prompt(static_cast<size_t>(n_prompt));
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((i * 7919 + salt) % n_vocab);
+  std::vector<float> all = s.eval(prompt, 1);
+  for (int i = 0; i < steps; ++i) {
+    const auto last = all.end() - n_vocab;
+    const std::vector<int32_t> one{static_cast<int32_t>(std::max_element(last, all.end()) - last)};
+    const std::vector<float>& l = s.eval(one, 1);
+    all.insert(all.end(), l.begin(), l.end());
+  }
+  return all;
+}
+
 class GpuReference : public ::testing::TestWithParam<GpuCase> {};
 
 TEST_P(GpuReference, LogitsAndGreedyMatch) {
@@ -141,21 +162,7 @@ TEST(GpuDecode, GraphsFollowTheCacheLength) {
     auto model = Model::load(path, lo);
     unsetenv("FITMOE_NO_GRAPHS");
     EXPECT_TRUE(model->on_gpu());
-    SessionOptions so;
-    so.n_threads = 2;
-    so.n_ctx = boundary + 64;
-    Session s(*model, so);
-    const int n_vocab = model->config().n_vocab;
-    std::vector<int32_t> prompt(boundary - 8);
-    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((i * 7919) % n_vocab);
-    std::vector<float> all = s.eval(prompt, 1);
-    for (int i = 0; i < 16; ++i) {  // crosses the boundary half way
-      const int32_t next = static_cast<int32_t>(std::max_element(all.end() - n_vocab, all.end()) - (all.end() - n_vocab));
-      const std::vector<int32_t> one{next};
-      std::vector<float> l = s.eval(one, 1);
-      all.insert(all.end(), l.begin(), l.end());
-    }
-    return all;
+    return greedy_logits(*model, boundary + 64, 2, boundary - 8, 0, 16);  // (crosses the boundary half way)
   };
   const std::vector<float> with = run(true), without = run(false);
   ASSERT_EQ(with.size(), without.size());
@@ -178,20 +185,7 @@ TEST(GpuDecode, DependentLaunchGivesTheSameBits) {
       auto run = [&](bool pdl) {
         gpu::set_dependent_launch(pdl);
         auto model = load_gpu(dir + "/qwen3moe-tiny-" + std::string(type) + ".gguf", mode);
-        SessionOptions so;
-        so.n_threads = 2;
-        so.n_ctx = 512;
-        Session s(*model, so);
-        const int n_vocab = model->config().n_vocab;
-        std::vector<int32_t> prompt(40);
-        for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((i * 7919 + 13) % n_vocab);
-        std::vector<float> all = s.eval(prompt, 1);
-        for (int i = 0; i < 24; ++i) {
-          const auto last = all.end() - n_vocab;
-          const std::vector<int32_t> one{static_cast<int32_t>(std::max_element(last, all.end()) - last)};
-          std::vector<float> l = s.eval(one, 1);
-          all.insert(all.end(), l.begin(), l.end());
-        }
+        std::vector<float> all = greedy_logits(*model, 512, 2, 40, 13, 24);
         gpu::set_dependent_launch(true);
         return all;
       };
@@ -222,20 +216,7 @@ TEST(GpuDecode, RoutingGuessesChangeNoBits) {
       auto model = load_gpu(dir + "/qwen3moe-tiny-q4_k_m.gguf", mode);  // (load_gpu ignores "/nographs")
       unsetenv("FITMOE_PREDICT");
       unsetenv("FITMOE_NO_GRAPHS");
-      SessionOptions so;
-      so.n_threads = 3;
-      so.n_ctx = 512;
-      Session s(*model, so);
-      const int n_vocab = model->config().n_vocab;
-      std::vector<int32_t> prompt(20);
-      for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((i * 7919 + 5) % n_vocab);
-      std::vector<float> all = s.eval(prompt, 1);
-      for (int i = 0; i < 24; ++i) {
-        const auto last = all.end() - n_vocab;
-        const std::vector<int32_t> one{static_cast<int32_t>(std::max_element(last, all.end()) - last)};
-        std::vector<float> l = s.eval(one, 1);
-        all.insert(all.end(), l.begin(), l.end());
-      }
+      std::vector<float> all = greedy_logits(*model, 512, 3, 20, 5, 24);
       if (guess) stats = model->routing_guess_stats();
       return all;
     };
