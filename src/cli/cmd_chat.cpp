@@ -118,7 +118,7 @@ void register_chat(CLI::App& app) {
       std::fputs(tail.c_str(), stdout);
       std::fprintf(stdout, "\n");
       std::fprintf(stderr, "[%d prompt tokens at %.1f tok/s, %d generated at %.1f tok/s%s]\n", st.n_prompt, st.prompt_tps(),
-                   st.n_generated + 1, st.generate_tps(), g_interrupted ? ", stopped" : "");
+                   st.n_generated, st.generate_tps(), g_interrupted ? ", stopped" : "");
       msgs.push_back({"assistant", answer, nullptr});
       cached_text.clear();
       if (last >= 0 && tok->is_eog(last)) {

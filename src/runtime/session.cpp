@@ -64,13 +64,17 @@ std::vector<int32_t> Session::generate(std::span<const int32_t> prompt, int n_pr
   const std::vector<float>* logits = &eval(prompt, 1);
   auto t1 = clock::now();
   double gen_seconds = 0;
+  bool context_full = false;
   for (int i = 0; i < n_predict; ++i) {
     int32_t tok = sampler.sample(logits->data(), n_vocab, history_);
     out.push_back(tok);
     bool go_on = on_token ? on_token(tok) : true;
     if (std::find(stop_tokens.begin(), stop_tokens.end(), tok) != stop_tokens.end()) break;
     if (!go_on || i + 1 == n_predict) break;
-    if (n_past() >= n_ctx()) break;
+    if (n_past() >= n_ctx()) {
+      context_full = true;
+      break;
+    }
     auto s = clock::now();
     logits = &eval(std::span<const int32_t>(&tok, 1), 1);
     gen_seconds += std::chrono::duration<double>(clock::now() - s).count();
@@ -78,8 +82,9 @@ std::vector<int32_t> Session::generate(std::span<const int32_t> prompt, int n_pr
   if (stats) {
     stats->n_prompt = static_cast<int>(prompt.size());
     stats->prompt_seconds = std::chrono::duration<double>(t1 - t0).count();
-    // Decode speed counts the forward passes of generated tokens (the first token comes from prefill).
-    stats->n_generated = static_cast<int>(out.size()) - 1;
+    stats->n_generated = static_cast<int>(out.size());
+    stats->n_decoded = std::max(0, stats->n_generated - 1);
+    stats->context_full = context_full;
     stats->generate_seconds = gen_seconds;
   }
   return out;

@@ -20,11 +20,14 @@ struct SessionOptions {
   int n_batch = 512;       // prompt tokens per forward batch
 };
 
+// n_generated counts every token generate() produced (the first one comes from the prompt's logits);
+// decode speed counts the forward passes of generated tokens, n_decoded = n_generated - 1 of them.
 struct GenerationStats {
-  int n_prompt = 0, n_generated = 0;
+  int n_prompt = 0, n_generated = 0, n_decoded = 0;
   double prompt_seconds = 0, generate_seconds = 0;
+  bool context_full = false;  // generation stopped because the context had no room left
   double prompt_tps() const { return prompt_seconds > 0 ? n_prompt / prompt_seconds : 0; }
-  double generate_tps() const { return generate_seconds > 0 ? n_generated / generate_seconds : 0; }
+  double generate_tps() const { return generate_seconds > 0 ? n_decoded / generate_seconds : 0; }
 };
 
 class Session {
