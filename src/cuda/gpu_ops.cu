@@ -1533,23 +1533,49 @@ __global__ void swiglu_kernel(const float* gate, const float* up, float* out, in
   out[i] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), up[i]);
 }
 
+// The RoPE parameters as a kernel takes them (runtime/rope.h has the math): theta_scale made on the
+// host with the CPU's float pow, the magnitude too, so both sides start from the same bits.
+struct RopeArgs {
+  float theta_scale, freq_scale, ext_factor, corr_lo, corr_hi, mscale;
+};
+
+RopeArgs rope_args(const RopeParams& r, int n_rot) {
+  RopeArgs a;
+  a.theta_scale = std::pow(r.base, -2.0f / static_cast<float>(n_rot));  // as cpu::rope_neox
+  a.freq_scale = r.freq_scale;
+  a.ext_factor = r.ext_factor;
+  a.corr_lo = r.corr_lo;
+  a.corr_hi = r.corr_hi;
+  a.mscale = r.mscale();
+  return a;
+}
+
 // The NeoX rotation table of position p: cos of pair i in tab[i], sin in tab[half + i] (angles as the
-// CPU's rope: freq_scale * p * theta_scale^i, the power by repeated products in float, sincos in double).
-// Called by the whole CTA; ends with a barrier.
-__device__ __forceinline__ void rope_table(float* tab, int p, int half, float theta_scale, float freq_scale) {
-  if (threadIdx.x == 0) {
+// CPU's rope: p * theta_scale^i by repeated products in float, then freq_scale and the YaRN ramp in
+// float with explicit roundings (no contractions, as the CPU computes them), sincos in double, times
+// mscale; an mscale of 1 and ext_factor 0 leave the plain bits). Called by the whole CTA; ends with a
+// barrier.
+__device__ __forceinline__ void rope_table(float* tab, int p, int half, const RopeArgs& r) {
+  if (threadIdx.x == 0) {  // the serial chain only; the rest is per pair, spread over the CTA
     float theta = static_cast<float>(p);
     for (int i = 0; i < half; ++i) {
-      tab[i] = __fmul_rn(freq_scale, theta);
-      theta = __fmul_rn(theta, theta_scale);
+      tab[i] = theta;
+      theta = __fmul_rn(theta, r.theta_scale);
     }
   }
   __syncthreads();
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    const float extrap = tab[i];
+    float th = __fmul_rn(r.freq_scale, extrap);
+    if (r.ext_factor != 0.0f) {
+      const float y = __fdiv_rn(__fsub_rn(static_cast<float>(i), r.corr_lo), fmaxf(0.001f, __fsub_rn(r.corr_hi, r.corr_lo)));
+      const float mix = __fmul_rn(__fsub_rn(1.0f, fminf(1.0f, fmaxf(0.0f, y))), r.ext_factor);
+      th = __fadd_rn(__fmul_rn(th, __fsub_rn(1.0f, mix)), __fmul_rn(extrap, mix));
+    }
     double sn, cn;
-    sincos(static_cast<double>(tab[i]), &sn, &cn);
-    tab[i] = static_cast<float>(cn);
-    tab[half + i] = static_cast<float>(sn);
+    sincos(static_cast<double>(th), &sn, &cn);
+    tab[i] = __fmul_rn(static_cast<float>(cn), r.mscale);
+    tab[half + i] = __fmul_rn(static_cast<float>(sn), r.mscale);
   }
   __syncthreads();
 }
@@ -1557,10 +1583,10 @@ __device__ __forceinline__ void rope_table(float* tab, int p, int half, float th
 // One CTA per token: the rotation table (rope_table: the cos/sin in double are correctly rounded to
 // float in all but astronomically rare cases, like glibc), then every head's pairs.
 __global__ void rope_neox_kernel(float* x, int n_heads, int head_dim, int64_t ld, int n_rot, const int32_t* pos,
-                                 float theta_scale, float freq_scale) {
+                                 RopeArgs rope) {
   extern __shared__ float tab[];  // [half] cos, [half] sin
   const int t = blockIdx.x, half = n_rot / 2;
-  rope_table(tab, pos[t], half, theta_scale, freq_scale);
+  rope_table(tab, pos[t], half, rope);
   float* xt = x + t * ld;
   for (int k = threadIdx.x; k < n_heads * half; k += blockDim.x) {
     const int h = k / half, i = k % half;
@@ -1693,7 +1719,7 @@ __global__ void qk_norm_rope_store_kernel(float* q, int64_t ld_q, const float* _
                                           const float* __restrict__ v, int64_t ld_v, const float* __restrict__ q_norm,
                                           const float* __restrict__ k_norm, T* __restrict__ kc, T* __restrict__ vc,
                                           int n_ctx, const int32_t* __restrict__ pos, int n_head, int n_head_kv, int hd,
-                                          int hdv, int n_rot, float theta_scale, float freq_scale, float eps) {
+                                          int hdv, int n_rot, RopeArgs rope, float eps) {
   extern __shared__ float sh[];  // [hd] normed head, [n_rot] cos / sin table
   __shared__ double part[32];
   const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;
@@ -1704,7 +1730,7 @@ __global__ void qk_norm_rope_store_kernel(float* q, int64_t ld_q, const float* _
   // The rotation table depends only on the position: made while the kernel before finishes (a serial
   // chain of products and a double-precision sincos per pair, 1.6% of all-GPU decode when it came after
   // the wait: 405.2 against 410.9 tok/s on the H200).
-  if (h < n_head + n_head_kv) rope_table(tab, p, half, theta_scale, freq_scale);
+  if (h < n_head + n_head_kv) rope_table(tab, p, half, rope);
   // The head's norm weight is fetched before the wait too, and each element loaded once (heads of up to
   // blockDim.x values).
   const bool one_each = hd <= static_cast<int>(blockDim.x), is_q = h < n_head;
@@ -3077,13 +3103,11 @@ void swiglu(const float* gate, const float* up, float* out, int64_t n, Stream s)
 }
 
 void rope_neox(float* x, int n_tokens, int n_heads, int head_dim, int64_t ld, int n_rot, const int32_t* pos,
-               float base, float freq_scale, Stream s) {
+               const RopeParams& rope, Stream s) {
   if (n_tokens <= 0) return;
   if (n_rot <= 0 || n_rot % 2 != 0 || n_rot > head_dim) fail("rope_neox: bad n_rot " + std::to_string(n_rot));
-  // The same float pow as cpu::rope_neox, on the host.
-  const float theta_scale = std::pow(base, -2.0f / static_cast<float>(n_rot));
   const size_t smem = static_cast<size_t>(n_rot) * sizeof(float);
-  rope_neox_kernel<<<n_tokens, 128, smem, cs(s)>>>(x, n_heads, head_dim, ld, n_rot, pos, theta_scale, freq_scale);
+  rope_neox_kernel<<<n_tokens, 128, smem, cs(s)>>>(x, n_heads, head_dim, ld, n_rot, pos, rope_args(rope, n_rot));
   launched("rope_neox");
 }
 
@@ -3399,23 +3423,23 @@ void matmul(const DevMatrix& w, int64_t mat, const float* x, int64_t ld_x, int n
 
 void qk_norm_rope_store(float* q, int64_t ld_q, const float* k, int64_t ld_k, const float* v, int64_t ld_v,
                         const float* q_norm, const float* k_norm, const DevKv& kv, const int32_t* pos, int n_tokens,
-                        int n_head, int n_head_kv, int head_dim, int head_dim_v, int n_rot, float base,
-                        float freq_scale, float eps, Stream s) {
+                        int n_head, int n_head_kv, int head_dim, int head_dim_v, int n_rot,
+                        const RopeParams& rope_p, float eps, Stream s) {
   if (n_tokens <= 0) return;
   if (n_tokens > 65535) fail("qk_norm_rope_store: too many tokens in one call");
   if (n_rot <= 0 || n_rot % 2 != 0 || n_rot > head_dim) fail("qk_norm_rope_store: bad n_rot " + std::to_string(n_rot));
-  const float theta_scale = std::pow(base, -2.0f / static_cast<float>(n_rot));  // as rope_neox
+  const RopeArgs rope = rope_args(rope_p, n_rot);  // as rope_neox
   const dim3 grid(static_cast<unsigned>(n_head + 2 * n_head_kv), static_cast<unsigned>(n_tokens));
   const size_t smem = static_cast<size_t>(head_dim + n_rot) * sizeof(float);
   const cudaStream_t st = cs(s);
   if (kv.type == DType::F16)
     launch(qk_norm_rope_store_kernel<__half>, grid, kNormThreads, smem, st,
         q, ld_q, k, ld_k, v, ld_v, q_norm, k_norm, reinterpret_cast<__half*>(kv.k), reinterpret_cast<__half*>(kv.v),
-        kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, theta_scale, freq_scale, eps);
+        kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, rope, eps);
   else if (kv.type == DType::F32)
     launch(qk_norm_rope_store_kernel<float>, grid, kNormThreads, smem, st,
         q, ld_q, k, ld_k, v, ld_v, q_norm, k_norm, reinterpret_cast<float*>(kv.k), reinterpret_cast<float*>(kv.v),
-        kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, theta_scale, freq_scale, eps);
+        kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, rope, eps);
   else
     fail(std::string("qk_norm_rope_store: unsupported cache type ") + tname(kv.type));
   launched("qk_norm_rope_store");

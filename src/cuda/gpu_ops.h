@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "quant/dtype.h"
+#include "runtime/rope.h"
 
 namespace fitmoe::gpu {
 
@@ -65,9 +66,10 @@ void residual_norm_router(const float* x, const float* y, const float* w, int n,
                           float* logits, void* xq, Stream s);
 // out = silu(gate) * up
 void swiglu(const float* gate, const float* up, float* out, int64_t n, Stream s);
-// NeoX RoPE in place for tokens at positions pos[t] (device array), as cpu::rope_neox.
+// NeoX RoPE in place for tokens at positions pos[t] (device array), as cpu::rope_neox (linear and
+// YaRN scaling included; the cos/sin from a double-precision sincos rounded to float).
 void rope_neox(float* x, int n_tokens, int n_heads, int head_dim, int64_t ld, int n_rot, const int32_t* pos,
-               float base, float freq_scale, Stream s);
+               const RopeParams& rope, Stream s);
 
 // ---- matrix products ------------------------------------------------------------------------------
 // Bytes of x converted to act type for `rows` rows of n values; conversion as quantize_act_row_ref.
@@ -159,8 +161,8 @@ void kv_store(const DevKv& kv, const int32_t* pos, int n_tokens, const float* k,
 // waits for the kernel before it (the rotation table is made meanwhile): write it before that kernel.
 void qk_norm_rope_store(float* q, int64_t ld_q, const float* k, int64_t ld_k, const float* v, int64_t ld_v,
                         const float* q_norm, const float* k_norm, const DevKv& kv, const int32_t* pos, int n_tokens,
-                        int n_head, int n_head_kv, int head_dim, int head_dim_v, int n_rot, float base,
-                        float freq_scale, float eps, Stream s);
+                        int n_head, int n_head_kv, int head_dim, int head_dim_v, int n_rot,
+                        const RopeParams& rope, float eps, Stream s);
 // Causal attention of n_tokens queries at positions pos0 .. pos0 + n_tokens - 1 (pos0 on the host so
 // the launch can size itself; a graph-captured decode passes n_kv_max and reads the real position
 // from pos_dev[0]). Decode (n_tokens <= 8) needs `scratch` of attention_scratch_bytes, zero-filled once

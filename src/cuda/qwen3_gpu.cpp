@@ -312,7 +312,7 @@ class OpProfile {
 class Qwen3Gpu final : public GpuRunner {
  public:
   Qwen3Gpu(const Qwen3Weights& w, const ModelConfig& c, const Plan& plan, const LoadOptions& opt)
-      : w_(w), c_(c), plan_(plan), mem_(plan.budget - plan.reserve), ubatch_(std::max(1, plan.options.n_ubatch)),
+      : w_(w), c_(c), rope_(rope_params(c)), plan_(plan), mem_(plan.budget - plan.reserve), ubatch_(std::max(1, plan.options.n_ubatch)),
         chunk_experts_(std::max(1, plan.options.prefill_chunk_experts)) {
     if (c.n_expert_used > 32)
       throw Error("the GPU engine routes at most 32 experts per token; this model uses " +
@@ -714,7 +714,7 @@ class Qwen3Gpu final : public GpuRunner {
     linear_shared(st, pool, {{&G.wq, st.q, qw}, {&G.wk, st.k, kw}, {&G.wv, st.v, vw}}, st.xn, nt);
     prof_.mark("attn q,k,v", stream_);
     gpu::qk_norm_rope_store(st.q, qw, st.k, kw, st.v, vw, G.q_norm, G.k_norm, st.kv[l], st.pos, nt, c.n_head,
-                            c.n_head_kv, hd, hdv, c.n_rot, c.rope_base, c.rope_freq_scale, c.rms_eps, stream_);
+                            c.n_head_kv, hd, hdv, c.n_rot, rope_, c.rms_eps, stream_);
     prof_.mark("q/k norm + rope + kv store", stream_);
     // The decode kernel can hand wo its input in Q8_K (one quantize launch fewer).
     void* att_q = st.att_q && nt <= gpu::kMaxVecTokens && G.wo.on_gpu() &&
@@ -1376,6 +1376,7 @@ class Qwen3Gpu final : public GpuRunner {
 
   const Qwen3Weights& w_;
   const ModelConfig& c_;
+  const RopeParams rope_;  // derived once from c_ (YaRN's correction dims, the magnitude)
   const Plan& plan_;
   gpu::DeviceMemory mem_;
   int ubatch_;

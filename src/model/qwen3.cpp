@@ -6,6 +6,7 @@
 // embedding).
 #include <cmath>
 #include <cstring>
+#include <optional>
 
 #include "model/architectures.h"
 #include "model/qwen3.h"
@@ -62,9 +63,7 @@ class Qwen3Model final : public Model {
     c.rms_eps = static_cast<float>(f.get_float(a + "attention.layer_norm_rms_epsilon"));
     c.rope_base = static_cast<float>(f.opt_float(a + "rope.freq_base").value_or(10000.0));
     c.n_rot = static_cast<int>(f.opt_uint(a + "rope.dimension_count").value_or(c.head_dim));
-    if (auto st = f.opt_string(a + "rope.scaling.type"); st && *st != "none" && *st != "linear")
-      throw Error(f.path() + ": rope scaling '" + std::string(*st) + "' is not supported yet");
-    if (auto fs = f.opt_float(a + "rope.scaling.factor"); fs && *fs > 0) c.rope_freq_scale = 1.0f / static_cast<float>(*fs);
+    parse_rope_scaling(a);
     if (moe) {
       c.n_expert = static_cast<int>(f.get_uint(a + "expert_count"));
       c.n_expert_used = static_cast<int>(f.get_uint(a + "expert_used_count"));
@@ -162,6 +161,7 @@ class Qwen3Model final : public Model {
     std::vector<int32_t> chosen(static_cast<size_t>(T) * std::max(c.n_expert_used, 1));
     std::vector<float> chosen_w(chosen.size());
 
+    const RopeParams rope = rope_params(c);
     cpu::embed(pool, w_.tok_embd, tokens, x);
     for (int l = 0; l < c.n_layer; ++l) {
       const Qwen3Layer& L = w_.layers[l];
@@ -183,8 +183,8 @@ class Qwen3Model final : public Model {
       }
       cpu::rms_norm(q, L.q_norm.f32(), q, hd, T * c.n_head, c.rms_eps, hd, hd);
       cpu::rms_norm(k, L.k_norm.f32(), k, hd, T * c.n_head_kv, c.rms_eps, hd, hd);
-      cpu::rope_neox(q, T, c.n_head, hd, q_w, c.n_rot, pos0, c.rope_base, c.rope_freq_scale);
-      cpu::rope_neox(k, T, c.n_head_kv, hd, k_w, c.n_rot, pos0, c.rope_base, c.rope_freq_scale);
+      cpu::rope_neox(q, T, c.n_head, hd, q_w, c.n_rot, pos0, rope);
+      cpu::rope_neox(k, T, c.n_head_kv, hd, k_w, c.n_rot, pos0, rope);
       cpu::KvView kv = S.view(l);
       cpu::kv_store(kv, pos0, T, k, k_w, v, v_w, k_w, v_w);
       cpu::attention(pool, q, q_w, kv, pos0, T, c.n_head, c.n_head_kv, hd, hdv,
@@ -231,10 +231,74 @@ class Qwen3Model final : public Model {
       bad("attention sizes must be positive");
     if (c.n_head % c.n_head_kv != 0) bad("head_count must be a multiple of head_count_kv");
     if (c.n_rot <= 0 || c.n_rot > c.head_dim || c.n_rot % 2) bad("rope dimension count out of range");
+    if (!std::isfinite(c.rope_base) || !(c.rope_base > 0.0f)) bad("rope.freq_base must be a positive number");
     if (c.arch == "qwen3moe" && (c.n_expert <= 0 || c.n_expert_used <= 0 || c.n_expert_used > c.n_expert || c.n_ff_exp <= 0))
       bad("expert counts out of range");
     if (c.arch == "qwen3" && c.n_ff <= 0) bad("feed_forward_length must be positive");
   }
+  // RoPE scaling as the reference resolves it (llama_model's hparams, then llama_context's cparams), so
+  // that the kernels take the values as they are.
+  void parse_rope_scaling(const std::string& a) {
+    const gguf::File& f = *file_;
+    ModelConfig& c = cfg_;
+    auto bad = [&](const std::string& what) { throw Error(f.path() + ": " + c.arch + ": " + what); };
+    // A float key that must be finite (and positive unless zero is allowed); nullopt when absent.
+    auto num = [&](const char* key, bool positive) -> std::optional<float> {
+      auto v = f.opt_float(a + key);
+      if (!v) return std::nullopt;
+      const float x = static_cast<float>(*v);
+      if (!std::isfinite(x) || (positive && !(x > 0.0f)))
+        bad(std::string(key) + " must be a " + (positive ? "positive" : "finite") + " number, found " + std::to_string(*v));
+      return x;
+    };
+    // factor 0 means "not set" to the reference (scale 1); the old key name is its fallback.
+    std::optional<float> factor = f.find(a + "rope.scaling.factor") ? num("rope.scaling.factor", false)
+                                                                    : num("rope.scale_linear", false);
+    if (factor && *factor < 0.0f) bad("rope.scaling.factor must not be negative, found " + std::to_string(*factor));
+    // The reference reads a missing type as linear, so that a bare factor scales linearly; without a
+    // factor that is no scaling at all, so call it none.
+    const bool has_factor = factor && *factor != 0.0f;
+    const std::string type(f.opt_string(a + "rope.scaling.type").value_or(has_factor ? "linear" : "none"));
+    if (type == "none") c.rope_scaling = RopeScaling::None;
+    else if (type == "linear") c.rope_scaling = RopeScaling::Linear;
+    else if (type == "yarn") c.rope_scaling = RopeScaling::Yarn;
+    else bad("rope scaling type '" + type + "' is not supported (none, linear, yarn)");
+    const bool yarn = c.rope_scaling == RopeScaling::Yarn;
+
+    c.rope_freq_scale = has_factor ? 1.0f / *factor : 1.0f;
+    if (c.rope_scaling == RopeScaling::None) c.rope_freq_scale = 1.0f;  // the reference never scales then
+    if (!std::isfinite(c.rope_freq_scale) || !(c.rope_freq_scale > 0.0f)) bad("rope.scaling.factor is out of range");
+
+    const uint64_t n_orig = f.opt_uint(a + "rope.scaling.original_context_length").value_or(c.n_ctx_train);
+    if (n_orig == 0 || n_orig > (1u << 30)) bad("rope.scaling.original_context_length out of range");
+    c.rope_n_ctx_orig = static_cast<int>(n_orig);
+
+    // YaRN's knobs; a negative ext_factor is the reference's "not set".
+    const float ext = num("rope.scaling.yarn_ext_factor", false).value_or(-1.0f);
+    const float yarn_attn = num("rope.scaling.yarn_attn_factor", true).value_or(1.0f);
+    c.rope_beta_fast = num("rope.scaling.yarn_beta_fast", true).value_or(32.0f);
+    c.rope_beta_slow = num("rope.scaling.yarn_beta_slow", true).value_or(1.0f);
+    if (c.rope_beta_fast < c.rope_beta_slow) bad("rope.scaling.yarn_beta_fast must not be below yarn_beta_slow");
+    const float log_mul = num("rope.scaling.yarn_log_multiplier", false).value_or(0.0f);
+    const float rope_attn = num("rope.scaling.attn_factor", true).value_or(1.0f);
+    c.rope_ext_factor = ext >= 0.0f ? ext : (yarn ? 1.0f : 0.0f);
+
+    // The magnitude: with YaRN on, the reference sets attn_factor to HF's mscale and divides out the
+    // 1 + 0.1 ln(s) ggml multiplies in again per pair, so the net magnitude is HF's. Float arithmetic in
+    // the reference's order so that the bits agree.
+    float attn = yarn_attn;
+    if (c.rope_ext_factor != 0.0f) {
+      const float s = 1.0f / c.rope_freq_scale;
+      auto hf_mscale = [](float scale, float m) { return scale <= 1.0f ? 1.0f : 0.1f * m * std::log(scale) + 1.0f; };
+      attn = log_mul != 0.0f ? hf_mscale(s, 1.0f) / hf_mscale(s, log_mul) : hf_mscale(s, 1.0f);
+      attn *= 1.0f / (1.0f + 0.1f * std::log(s));
+    }
+    c.rope_attn_factor = attn * rope_attn;
+    if (!std::isfinite(c.rope_attn_factor) || !(c.rope_attn_factor > 0.0f)) bad("rope attention factor out of range");
+    if (c.rope_ext_factor != 0.0f && !(c.rope_base > 1.0f))
+      bad("YaRN needs rope.freq_base above 1, found " + std::to_string(c.rope_base));
+  }
+
   void require_f32(const Weight& w) const {
     if (w.type != DType::F32)
       throw Error(file_->path() + ": tensor " + w.info->name + " must be f32, found " + dtype_name(w.type));

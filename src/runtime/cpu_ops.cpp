@@ -136,17 +136,24 @@ void matmul(ThreadPool& pool, const Weight& w, const float* x, int64_t ld_x, int
 // ---- rope ---------------------------------------------------------------------------------------
 
 void rope_neox(float* x, int n_tokens, int n_heads, int head_dim, int64_t ld, int n_rot, int pos0,
-               float base, float freq_scale) {
-  const float theta_scale = std::pow(base, -2.0f / static_cast<float>(n_rot));
+               const RopeParams& rope) {
+  const float theta_scale = std::pow(rope.base, -2.0f / static_cast<float>(n_rot));
   const int half = n_rot / 2;
+  const float freq_scale = rope.freq_scale, ext = rope.ext_factor;
+  // Multiplying by an mscale of exactly 1 changes no bits, so the unscaled path stays the plain one.
+  const float mscale = rope.mscale();
+  // The YaRN ramp depends on the pair only: once per call.
+  std::vector<float> mix(ext != 0.0f ? static_cast<size_t>(half) : 0);
+  for (int i = 0; i < static_cast<int>(mix.size()); ++i) mix[i] = rope_yarn_ramp(rope.corr_lo, rope.corr_hi, i) * ext;
   std::vector<float> cs(static_cast<size_t>(n_rot));
   for (int t = 0; t < n_tokens; ++t) {
     // cos/sin table for this position, angles advanced by repeated multiplication as the reference.
     float theta = static_cast<float>(pos0 + t);
     for (int i = 0; i < half; ++i) {
-      const float th = freq_scale * theta;
-      cs[2 * i] = std::cos(th);
-      cs[2 * i + 1] = std::sin(th);
+      float th = freq_scale * theta;
+      if (ext != 0.0f) th = th * (1.0f - mix[i]) + theta * mix[i];
+      cs[2 * i] = std::cos(th) * mscale;
+      cs[2 * i + 1] = std::sin(th) * mscale;
       theta *= theta_scale;
     }
     for (int h = 0; h < n_heads; ++h) {

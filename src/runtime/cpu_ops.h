@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "model/model.h"
+#include "runtime/rope.h"
 #include "runtime/thread_pool.h"
 
 namespace fitmoe::cpu {
@@ -64,9 +65,10 @@ void matmul(ThreadPool& pool, const Weight& w, const float* x, int64_t ld_x, int
 
 // Rotary position embedding, NeoX layout (dims i and i + n_rot/2 form a pair), in place on
 // n_tokens x n_heads heads of head_dim values (row stride ld), positions pos0, pos0+1, ...
-// Angles as ggml: theta_i = p * base^(-2i/n_rot) computed by repeated multiplication in f32.
+// Angles as ggml: theta_i = p * base^(-2i/n_rot) computed by repeated multiplication in f32, then
+// linear / YaRN scaling and the magnitude as runtime/rope.h describes (unscaled: the plain bits).
 void rope_neox(float* x, int n_tokens, int n_heads, int head_dim, int64_t ld, int n_rot, int pos0,
-               float base, float freq_scale);
+               const RopeParams& rope);
 
 // Causal softmax attention of n_tokens queries at positions pos0.. over the cached keys 0..pos.
 // Reference numerics (llama.cpp without flash attention): Q is rounded to the cache type, scores =

@@ -896,11 +896,11 @@ TEST_F(GpuOps, RopeNeox) {
       const int64_t ld = n_heads * head_dim + 8;
       std::vector<float> x = randn(static_cast<size_t>(ld) * nt, 41 + n_rot);
       auto dx = upload(x);
-      rope_neox(dx->as<float>(), nt, n_heads, head_dim, ld, n_rot, d_pos->as<int32_t>(), 1000000.0f, 1.0f, s());
+      rope_neox(dx->as<float>(), nt, n_heads, head_dim, ld, n_rot, d_pos->as<int32_t>(), RopeParams{1000000.0f}, s());
       sync();
       auto got = dx->down<float>(static_cast<size_t>(ld) * nt);
       std::vector<float> ref = x;
-      for (int t = 0; t < nt; ++t) cpu::rope_neox(ref.data() + t * ld, 1, n_heads, head_dim, ld, n_rot, pos[t], 1000000.0f, 1.0f);
+      for (int t = 0; t < nt; ++t) cpu::rope_neox(ref.data() + t * ld, 1, n_heads, head_dim, ld, n_rot, pos[t], RopeParams{1000000.0f});
       int bad = 0;
       for (int t = 0; t < nt; ++t)
         for (int h = 0; h < n_heads; ++h)
@@ -1086,12 +1086,12 @@ TEST_F(GpuOps, QkNormRopeStoreEqualsTheUnfusedOps) {
         Dev kc_r(static_cast<size_t>(n_ctx) * kw * es), vc_r(static_cast<size_t>(n_ctx) * vw * es);
         DevKv kv_f{cache, kc_f.bytes(), vc_f.bytes(), n_ctx}, kv_r{cache, kc_r.bytes(), vc_r.bytes(), n_ctx};
         qk_norm_rope_store(dq_f->as<float>(), qw, dk->as<float>(), kw, dv->as<float>(), vw, dqn->as<float>(),
-                           dkn->as<float>(), kv_f, d_pos->as<int32_t>(), nt, n_head, n_head_kv, hd, hdv, n_rot, base,
-                           1.0f, eps, s());
+                           dkn->as<float>(), kv_f, d_pos->as<int32_t>(), nt, n_head, n_head_kv, hd, hdv, n_rot,
+                           RopeParams{base}, eps, s());
         rms_norm(dq_r->as<float>(), dqn->as<float>(), dq_r->as<float>(), hd, nt * n_head, eps, hd, hd, s());
         rms_norm(dk_r->as<float>(), dkn->as<float>(), dk_r->as<float>(), hd, nt * n_head_kv, eps, hd, hd, s());
-        rope_neox(dq_r->as<float>(), nt, n_head, hd, qw, n_rot, d_pos->as<int32_t>(), base, 1.0f, s());
-        rope_neox(dk_r->as<float>(), nt, n_head_kv, hd, kw, n_rot, d_pos->as<int32_t>(), base, 1.0f, s());
+        rope_neox(dq_r->as<float>(), nt, n_head, hd, qw, n_rot, d_pos->as<int32_t>(), RopeParams{base}, s());
+        rope_neox(dk_r->as<float>(), nt, n_head_kv, hd, kw, n_rot, d_pos->as<int32_t>(), RopeParams{base}, s());
         kv_store(kv_r, d_pos->as<int32_t>(), nt, dk_r->as<float>(), kw, dv->as<float>(), vw, n_head_kv, hd, hdv, s());
         sync();
         const std::string what = std::string(cache == DType::F16 ? "f16" : "f32") + " hd " + std::to_string(hd) +
