@@ -2,8 +2,8 @@
 //   run:      generate with sampling, streaming ids, then speed and bandwidth.
 //   generate: greedy by default (--temp 0); the ids, comma separated, are the last stdout line.
 //   logits:   one batch, logits of every position to a raw f32 file [n_tokens][n_vocab].
+#include <algorithm>
 #include <cstdio>
-#include <fstream>
 
 #include "cli/common.h"
 #include "runtime/error.h"
@@ -21,12 +21,26 @@ struct GenArgs {
   SamplerParams sampler;
 };
 
-void print_speed(const Model& model, const GenerationStats& st) {
+void print_speed(const Model& model, const GenerationStats& st, int n_ctx) {
   const double bpt = model.bytes_per_token();
   std::fprintf(stderr, "prompt:     %d tokens in %.3f s, %.2f tok/s\n", st.n_prompt, st.prompt_seconds, st.prompt_tps());
-  std::fprintf(stderr, "generation: %d tokens in %.3f s, %.2f tok/s, %s of weights per token -> %.1f GB/s\n",
-               st.n_generated, st.generate_seconds, st.generate_tps(), human_bytes(bpt).c_str(),
+  // -n N reports N tokens; the speed is over the decode steps (the first token comes from the prompt).
+  std::fprintf(stderr, "generation: %d tokens; %d decode steps in %.3f s, %.2f tok/s, %s of weights per token -> %.1f GB/s\n",
+               st.n_generated, st.n_decoded, st.generate_seconds, st.generate_tps(), human_bytes(bpt).c_str(),
                bpt * st.generate_tps() / 1e9);
+  if (st.context_full)
+    std::fprintf(stderr, "stopped: the context of %d tokens is full (-c sets it)\n", n_ctx);
+}
+
+// Before any weight is read: every id inside the vocabulary, the prompt inside the context.
+void check_prompt(const Model& m, const std::vector<int32_t>& prompt, int n_ctx) {
+  const int n_vocab = m.config().n_vocab;
+  for (int32_t t : prompt)
+    if (t >= n_vocab)
+      throw Error("token id " + std::to_string(t) + " is outside the vocabulary (0.." + std::to_string(n_vocab - 1) + ")");
+  if (static_cast<int>(prompt.size()) > n_ctx)
+    throw Error("the prompt is " + std::to_string(prompt.size()) + " tokens, longer than the context of " +
+                std::to_string(n_ctx) + " tokens (-c sets it)");
 }
 
 }  // namespace
@@ -40,44 +54,57 @@ void register_run(CLI::App& app) {
   auto* t_opt = cmd->add_option("--tokens", a->tokens, "prompt as token ids, comma separated (prints ids)");
   p_opt->excludes(t_opt)->excludes(f_opt);
   t_opt->excludes(f_opt);
-  cmd->add_option("-n,--n-predict", a->n_predict, "tokens to generate")->check(CLI::NonNegativeNumber);
+  cmd->add_option("-n,--n-predict", a->n_predict, "tokens to generate")->check(at_least(0));
   add_sampler_options(*cmd, a->sampler);
   cmd->callback([a] {
     if (a->tokens.empty() && a->prompt.empty() && a->prompt_file.empty())
       throw Error("run needs a prompt: -p TEXT, -f FILE or --tokens IDS");
-    auto model = load_model(a->model);
+    std::vector<int32_t> prompt;
+    std::string text = a->prompt;
+    if (!a->tokens.empty()) prompt = parse_token_list(a->tokens);
+    if (!a->prompt_file.empty()) text = read_text_file(a->prompt_file);
+    if (a->tokens.empty() && text.empty())
+      throw Error(a->prompt_file.empty() ? "the prompt is empty" : a->prompt_file + ": the file is empty");
+    std::unique_ptr<Tokenizer> tok;
+    auto model = load_model(a->model, [&](const Model& m) {
+      if (a->tokens.empty()) {
+        tok = Tokenizer::from_gguf(m.file());
+        prompt = tok->encode(text, /*add_special=*/true);
+        if (prompt.empty()) throw Error("the prompt tokenizes to nothing");
+      }
+      check_prompt(m, prompt, a->model.ctx);
+    });
     Session s(*model, session_options(a->model));
     Sampler sampler(a->sampler);
     GenerationStats st;
-    if (!a->tokens.empty()) {
+    install_interrupt_handler();
+    if (!tok) {
       // Token-level mode: ids in, ids out.
-      auto prompt = parse_token_list(a->tokens);
       bool first = true;
       s.generate(prompt, a->n_predict, sampler, [&](int32_t t) {
         std::printf(first ? "%d" : ",%d", t);
         first = false;
         std::fflush(stdout);
-        return true;
+        return !interrupted();
       }, {}, &st);
     } else {
-      std::string text = a->prompt;
-      if (!a->prompt_file.empty()) text = read_text_file(a->prompt_file);
-      auto tok = Tokenizer::from_gguf(model->file());
-      auto prompt = tok->encode(text, /*add_special=*/true);
-      if (prompt.empty()) throw Error("the prompt tokenizes to nothing");
       StreamDecoder out(*tok);
       std::printf("%s", text.c_str());
       const auto eog = tok->eog_tokens();
       s.generate(prompt, a->n_predict, sampler, [&](int32_t t) {
         if (!tok->is_eog(t)) std::printf("%s", out.push(t).c_str());
         std::fflush(stdout);
-        return true;
+        return !interrupted();
       }, eog, &st);
       std::printf("%s", out.flush().c_str());
     }
     std::printf("\n");
     std::fflush(stdout);  // the text before the speed lines (stderr), also when both go to one pipe
-    print_speed(*model, st);
+    print_speed(*model, st, s.n_ctx());
+    if (interrupted()) {
+      std::fprintf(stderr, "interrupted\n");
+      throw Interrupted();
+    }
   });
 }
 
@@ -87,17 +114,23 @@ void register_generate(CLI::App& app) {
   a->sampler.temperature = 0;
   add_model_options(*cmd, a->model);
   cmd->add_option("--tokens", a->tokens, "prompt as token ids, comma separated")->required();
-  cmd->add_option("-n,--n-predict", a->n_predict, "tokens to generate")->check(CLI::NonNegativeNumber);
+  cmd->add_option("-n,--n-predict", a->n_predict, "tokens to generate")->check(at_least(0));
   add_sampler_options(*cmd, a->sampler);
   cmd->callback([a] {
-    auto model = load_model(a->model);
+    const auto prompt = parse_token_list(a->tokens);
+    auto model = load_model(a->model, [&](const Model& m) { check_prompt(m, prompt, a->model.ctx); });
     Session s(*model, session_options(a->model));
-    auto prompt = parse_token_list(a->tokens);
     Sampler sampler(a->sampler);
     GenerationStats st;
-    auto out = s.generate(prompt, a->n_predict, sampler, nullptr, {}, &st);
-    print_speed(*model, st);
+    install_interrupt_handler();
+    auto out = s.generate(prompt, a->n_predict, sampler, [](int32_t) { return !interrupted(); }, {}, &st);
+    print_speed(*model, st, s.n_ctx());
+    // The ids so far, also after Ctrl-C (then exit code 130).
     std::printf("%s\n", join_tokens(out).c_str());
+    if (interrupted()) {
+      std::fprintf(stderr, "interrupted\n");
+      throw Interrupted();
+    }
   });
 }
 
@@ -109,25 +142,17 @@ void register_logits(CLI::App& app) {
   cmd->add_option("--tokens", a->tokens, "token ids, comma separated")->required();
   cmd->add_option("-o,--output", *out_path, "output file: little-endian f32 [n_tokens][n_vocab]")->required();
   cmd->callback([a, out_path] {
-    auto model = load_model(a->model);
+    check_output_path(*out_path);  // before the work, not after it
     auto tokens = parse_token_list(a->tokens);
+    auto model = load_model(a->model, [&](const Model& m) {
+      check_prompt(m, tokens, std::max<int>(a->model.ctx, static_cast<int>(tokens.size())));
+    });
     SessionOptions so = session_options(a->model);
     so.n_batch = static_cast<int>(tokens.size());  // one batch, as the contract says
     so.n_ctx = std::max<int>(so.n_ctx, static_cast<int>(tokens.size()));
     Session s(*model, so);
     auto logits = s.eval(tokens, static_cast<int>(tokens.size()));
-    // Written beside the target and renamed, so a failure never leaves a partial file.
-    std::string tmp = *out_path + ".partial";
-    {
-      std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-      if (!f) throw Error(*out_path + ": cannot create");
-      f.write(reinterpret_cast<const char*>(logits.data()), static_cast<std::streamsize>(logits.size() * sizeof(float)));
-      if (!f) {
-        std::remove(tmp.c_str());
-        throw Error(*out_path + ": write failed");
-      }
-    }
-    if (std::rename(tmp.c_str(), out_path->c_str()) != 0) throw Error(*out_path + ": rename failed");
+    write_file_atomically(*out_path, logits.data(), logits.size() * sizeof(float));
     std::printf("wrote %zu x %d logits to %s\n", tokens.size(), model->config().n_vocab, out_path->c_str());
   });
 }

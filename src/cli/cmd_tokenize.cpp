@@ -9,8 +9,6 @@
 // line per token comes first, the piece JSON-escaped). detokenize prints the bytes the ids stand for,
 // then a newline (none with --raw).
 #include <cstdio>
-#include <fstream>
-#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -23,36 +21,6 @@
 #include "text/tokenizer.h"
 
 namespace fitmoe::cli {
-
-namespace {
-
-std::string read_raw(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw Error("cannot open " + path);
-  std::string s((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  if (f.bad()) throw Error("cannot read " + path);
-  return s;
-}
-
-// "1,2,3", "[1, 2, 3]" or "1 2 3" -> ids (validated by parse_token_list).
-std::vector<int32_t> parse_ids(std::string s) {
-  for (char& c : s)
-    if (c == '[' || c == ']' || c == '\n' || c == '\r') c = ' ';
-  std::string norm;
-  bool pending_sep = false;
-  for (char c : s) {
-    if (c == ' ' || c == '\t' || c == ',') {
-      pending_sep = pending_sep || !norm.empty();
-      continue;
-    }
-    if (pending_sep) norm += ',';
-    pending_sep = false;
-    norm += c;
-  }
-  return parse_token_list(norm);
-}
-
-}  // namespace
 
 void register_tokenize(CLI::App& app) {
   struct Opts {
@@ -74,7 +42,7 @@ void register_tokenize(CLI::App& app) {
     if (text_opt->count() == 0 && file_opt->count() == 0) throw Error("tokenize needs --text or --file");
     auto f = gguf::File::open(o->model);
     auto tok = Tokenizer::from_gguf(*f);
-    const std::string input = file_opt->count() ? read_raw(o->file) : o->text;
+    const std::string input = file_opt->count() ? read_text_file(o->file) : o->text;
     const std::vector<int32_t> ids = tok->encode(input, o->add_special, !o->no_parse_special);
     if (o->pieces) {
       for (int32_t id : ids) {
@@ -104,7 +72,7 @@ void register_detokenize(CLI::App& app) {
   cmd->callback([o] {
     auto f = gguf::File::open(o->model);
     auto tok = Tokenizer::from_gguf(*f);
-    const std::vector<int32_t> ids = parse_ids(o->ids);
+    const std::vector<int32_t> ids = parse_token_list(o->ids);
     const std::string text = tok->decode(ids, !o->no_special);
     std::fwrite(text.data(), 1, text.size(), stdout);
     if (!o->raw) std::fputc('\n', stdout);

@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -29,15 +30,28 @@ struct ModelOptions {
   std::vector<std::string> overrides;
   std::string prefill_experts = "auto";
   double gpu_share = -1;  // --host-experts-gpu-share (-1: automatic)
+  // llama.cpp's flags, accepted so that its users' habits work: -ngl 0 means --gpu none; any other
+  // -ngl, and -fa, only get a note that fitmoe places tensors and picks attention kernels itself.
+  int n_gpu_layers = -1;
+  std::string flash_attn;
 };
 void add_model_options(CLI::App& app, ModelOptions& o, bool with_ctx = true);
 SessionOptions session_options(const ModelOptions& o);
 LoadOptions load_options(const ModelOptions& o);
-std::unique_ptr<Model> load_model(const ModelOptions& o);  // prints the plan's one-line summary
+// Loads the model (printing the plan's one-line summary); `check` runs once the file is validated and
+// planned but before any weight is read, for checks of the command's own input (token ids, lengths).
+std::unique_ptr<Model> load_model(const ModelOptions& o, const std::function<void(const Model&)>& check = {});
 
+// Sampling flags with their ranges. The seed: --seed N, or -1 (the default) for a random one; the seed
+// in use is printed on stderr when sampling is random, so that a run can be repeated.
 void add_sampler_options(CLI::App& app, SamplerParams& p);
 
-// "1,2,3" -> {1, 2, 3}; throws Error on anything else.
+// Range checks whose message names the bound and the value ("must be at least 1 (got 0)").
+CLI::Validator at_least(double lo);
+CLI::Validator between(double lo, double hi);
+
+// Token ids as `tokenize` prints them ("[1, 2, 3]") or comma / space separated ("1,2,3"); throws Error
+// on anything else.
 std::vector<int32_t> parse_token_list(const std::string& s);
 std::string join_tokens(const std::vector<int32_t>& ids);
 
@@ -58,8 +72,27 @@ class Progress {
 };
 
 std::string human_bytes(double bytes);
-std::string read_text_file(const std::string& path);  // raw bytes; throws Error naming the file
+// A file's raw bytes; throws Error naming the file and the system's reason (also for a directory).
+std::string read_text_file(const std::string& path);
+// Throws Error (with the reason) unless `path` can be created or replaced as a regular file: not a
+// directory, its folder exists and is writable. Checked before any work, so no work is lost.
+void check_output_path(const std::string& path);
+// Writes bytes to PATH.partial and renames it to PATH; on any failure the partial file is removed and
+// the Error gives the system's reason.
+void write_file_atomically(const std::string& path, const void* data, size_t bytes);
 double now_seconds();
+
+// Ctrl-C. After install_interrupt_handler(), the first SIGINT only sets interrupted(): a command polls it
+// at its next step, reports what it has and throws Interrupted (exit code 130); a second SIGINT ends the
+// process at once (a command busy in a long prefill).
+void install_interrupt_handler();
+bool interrupted();
+struct Interrupted : std::exception {
+  const char* what() const noexcept override { return "interrupted"; }
+};
+
+// "unknown command 'X'", the commands there are, and the nearest one.
+std::string unknown_command_message(const CLI::App& app, const std::string& word);
 
 // Registration of each subcommand (one file each in src/cli/).
 void register_info(CLI::App& app);

@@ -62,8 +62,12 @@ std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
     machine = probe_machine(0, gpu_possible);
   }
   if (!opt.plan.use_gpu) machine.gpu_free_bytes = 0;
-  model->plan_ = make_plan(*file, model->cfg_, opt.plan, machine);
+  if (machine.host_available_bytes == 0) machine.host_available_bytes = host_memory_available();
+  PlanOptions plan_opt = opt.plan;
+  plan_opt.use_mmap = opt.use_mmap;
+  model->plan_ = make_plan(*file, model->cfg_, plan_opt, machine);
   if (opt.plan_only) return model;
+  if (opt.before_weights) opt.before_weights(*model);
 
   auto progress = [&](uint64_t d, uint64_t t) {
     if (opt.progress)

@@ -20,6 +20,7 @@
 namespace fitmoe {
 
 class ThreadPool;
+class Model;
 
 // Where a tensor's bytes are. Today every weight is in host memory (the file mapping or a host copy);
 // the GPU backend adds device-resident weights and the plan decides per tensor.
@@ -60,6 +61,10 @@ struct LoadOptions {
   bool plan_only = false;
   const MachineProfile* machine = nullptr;  // null: measure (or read the cached measurement)
   std::function<void(const std::string& what, uint64_t done, uint64_t total)> progress;
+  // Called once the model is planned and validated but before any weight is read: checks of what the
+  // caller will ask (token ids against the vocabulary, a prompt against the context) fail here, not
+  // after a long load.
+  std::function<void(const Model&)> before_weights;
 };
 
 // Per-sequence state: KV cache (and later recurrent state), sized for n_ctx positions.

@@ -197,6 +197,9 @@ SyntheticSummary write_synthetic_model(const SyntheticSpec& spec, const std::str
   Shape s = pre_it->second;
   if (spec.layers < 0 || spec.layers > 1024) throw Error("gen-model: --layers out of range");
   const int full_layers = s.n_layer;
+  if (spec.layers > full_layers)
+    throw Error("gen-model: --layers " + std::to_string(spec.layers) + " is more than the " + spec.preset + " preset's " +
+                std::to_string(full_layers) + " layers");
   if (spec.layers > 0) s.n_layer = spec.layers;
   const bool moe = spec.arch == "qwen3moe";
   if (spec.router_skew != 0 && !moe) throw Error("gen-model: --router-skew needs an MoE architecture");

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <regex>
 #include <sstream>
 
@@ -18,6 +19,14 @@ constexpr uint64_t GiB = 1ull << 30;
 std::string gib(double b) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.2f GiB", b / GiB);
+  return buf;
+}
+
+// For messages: MiB below a GiB, so that small figures do not read 0.00 GiB.
+std::string mem(double b) {
+  char buf[32];
+  if (b < GiB) std::snprintf(buf, sizeof buf, "%.1f MiB", b / MiB);
+  else std::snprintf(buf, sizeof buf, "%.2f GiB", b / GiB);
   return buf;
 }
 
@@ -148,6 +157,50 @@ uint64_t gpu_scratch_bytes(const ModelConfig& cfg, int n_ubatch, int n_ctx, uint
   return total * 21 / 20;
 }
 
+uint64_t kv_cache_bytes(const ModelConfig& cfg, int64_t n_ctx, DType kv_type) {
+  const uint64_t es = kv_type == DType::F32 ? 4 : 2;
+  return static_cast<uint64_t>(cfg.n_layer) * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) * es *
+         static_cast<uint64_t>(std::max<int64_t>(n_ctx, 0));
+}
+
+uint64_t host_memory_available() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  uint64_t kb = 0;
+  std::string unit;
+  while (f >> key >> kb >> unit)
+    if (key == "MemAvailable:") return kb * 1024;
+  return 0;
+}
+
+void check_host_memory(uint64_t bytes, const std::string& what) {
+  const uint64_t avail = host_memory_available();
+  if (avail && bytes > avail)
+    throw Error("not enough host memory: " + what + " needs " + mem(static_cast<double>(bytes)) + ", the machine has " +
+                mem(static_cast<double>(avail)) + " available");
+}
+
+namespace {
+// The largest context whose fixed GPU part (non-expert weights, KV cache, scratch, reserve) fits the
+// budget, whatever context was asked for (the scratch grows with the context too); 0 if none does.
+int64_t max_gpu_context(const ModelConfig& cfg, const PlanOptions& opt, uint64_t weights, uint64_t reserve,
+                        uint64_t expert_bytes, uint64_t budget) {
+  auto fits = [&](int64_t ctx) {
+    const uint64_t need = weights + kv_cache_bytes(cfg, ctx, opt.kv_type) + reserve +
+                          gpu_scratch_bytes(cfg, opt.n_ubatch, static_cast<int>(ctx), expert_bytes, opt.prefill_chunk_experts);
+    return need <= budget;
+  };
+  if (!fits(1)) return 0;
+  int64_t lo = 1, hi = 1 << 30;  // fits(lo), and the flags cap a context at 2^30
+  if (fits(hi)) return hi;
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  return lo;
+}
+}  // namespace
+
 Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions& opt_in, const MachineProfile& m) {
   if (opt_in.n_ubatch <= 0) {
     // Automatic micro-batch on the GPU: 2048 tokens, unless 512 would keep every expert on the GPU and
@@ -179,11 +232,10 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
   const int E = cfg.n_expert, k = cfg.n_expert_used;
 
   // KV cache and scratch first: they are needed whatever else fits.
-  const double kv_es = opt.kv_type == DType::F32 ? 4 : 2;
-  const uint64_t kv_per_token = static_cast<uint64_t>(cfg.n_layer) * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) * kv_es;
+  const uint64_t kv_per_token = kv_cache_bytes(cfg, 1, opt.kv_type);
   p.gpu_kv = kv_per_token * static_cast<uint64_t>(opt.n_ctx);
+  uint64_t per_expert = 0;  // one expert's gate + up + down bytes, largest over the layers
   {
-    uint64_t per_expert = 0;  // one expert's gate + up + down bytes, largest over the layers
     if (E) {
       std::vector<uint64_t> per_layer(cfg.n_layer, 0);
       for (const auto& t : file.tensors()) {
@@ -260,18 +312,18 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
     }
     const uint64_t fixed = p.gpu_weights + p.gpu_kv + p.gpu_scratch + p.reserve;
     if (fixed > p.budget) {
-      // Would a minimal context fit?
-      const uint64_t min_kv = kv_per_token * 512;
       std::ostringstream s;
       s << "VRAM budget " << gib(p.budget) << " is too small: the non-expert weights need " << gib(p.gpu_weights)
         << ", the KV cache of " << opt.n_ctx << " tokens " << gib(p.gpu_kv) << ", scratch " << gib(p.gpu_scratch)
         << " and the CUDA reserve " << gib(p.reserve) << " (total " << gib(fixed) << ")";
-      if (p.gpu_weights + min_kv + p.gpu_scratch + p.reserve <= p.budget) {
-        const uint64_t max_ctx = (p.budget - p.gpu_weights - p.gpu_scratch - p.reserve) / kv_per_token;
+      // The advice is the same whatever context was asked for: the largest one that fits.
+      const int64_t max_ctx = max_gpu_context(cfg, opt, p.gpu_weights, p.reserve, per_expert, p.budget);
+      if (max_ctx >= 512) {
         s << "; a context of at most " << max_ctx << " tokens would fit";
       } else {
-        s << "; at least " << gib(p.gpu_weights + min_kv + p.gpu_scratch + p.reserve)
-          << " is needed even with a 512-token context";
+        const uint64_t min_need = p.gpu_weights + kv_cache_bytes(cfg, 512, opt.kv_type) + p.reserve +
+                                  gpu_scratch_bytes(cfg, opt.n_ubatch, 512, per_expert, opt.prefill_chunk_experts);
+        s << "; at least " << gib(static_cast<double>(min_need)) << " is needed even with a 512-token context";
       }
       throw Error(s.str());
     }
@@ -352,6 +404,30 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
         p.gpu_bytes_per_token += k * expert_bytes[l] * (1 - host_frac);
       }
     }
+  }
+  // Host memory, planned like VRAM: the weights' copy (pinned for a GPU run), the KV cache of a CPU run
+  // and the CPU's activations for a 512-token batch, against what the machine has available.
+  p.host_weight_copy = p.use_gpu || !opt.use_mmap ? file.data_bytes() : 0;
+  p.host_kv = p.use_gpu ? 0 : kv_per_token * static_cast<uint64_t>(opt.n_ctx);
+  {
+    const uint64_t ff = static_cast<uint64_t>(std::max<int64_t>({cfg.n_ff_exp, cfg.n_ff, 1})) * std::max(1, cfg.n_expert_used);
+    p.host_scratch = 512ull * 4 * (8ull * cfg.n_embd + 3 * ff + static_cast<uint64_t>(cfg.n_head) * cfg.head_dim * 3) +
+                     4ull * cfg.n_vocab * 64;
+  }
+  if (m.host_available_bytes && p.host_total() > m.host_available_bytes) {
+    std::ostringstream s;
+    s << "not enough host memory: this run needs " << mem(static_cast<double>(p.host_total())) << " (";
+    if (p.host_weight_copy) s << "weights " << mem(static_cast<double>(p.host_weight_copy)) << (p.use_gpu ? " pinned" : "") << ", ";
+    if (p.host_kv) s << "KV cache of " << opt.n_ctx << " tokens " << mem(static_cast<double>(p.host_kv)) << ", ";
+    s << "scratch " << mem(static_cast<double>(p.host_scratch)) << "), the machine has "
+      << mem(static_cast<double>(m.host_available_bytes)) << " available";
+    const uint64_t other = p.host_weight_copy + p.host_scratch;
+    if (p.host_kv && other < m.host_available_bytes) {
+      const uint64_t max_ctx = (m.host_available_bytes - other) / std::max<uint64_t>(kv_per_token, 1);
+      s << "; a context of at most " << std::min<uint64_t>(max_ctx, 1u << 30) << " tokens would fit";
+    }
+    if (p.host_weight_copy && !p.use_gpu) s << " (--mmap computes from the file mapping without a copy)";
+    throw Error(s.str());
   }
   if (!p.use_gpu && E > 0) {
     for (auto& t : p.tensors)
@@ -520,8 +596,16 @@ std::string Plan::report() const {
     s << "  CUDA reserve        " << gib(static_cast<double>(reserve)) << "\n";
     s << "  total               " << gib(static_cast<double>(gpu_total())) << "\n";
   }
-  s << "host memory: " << gib(static_cast<double>(host_weights)) << " weights + " << gib(static_cast<double>(host_experts))
-    << " routed experts" << (use_gpu && host_experts ? " (pinned)" : "") << "\n";
+  s << "\nhost memory map (" << gib(static_cast<double>(machine.host_available_bytes)) << " available):\n";
+  s << "  weights' copy       " << gib(static_cast<double>(host_weight_copy))
+    << (host_weight_copy == 0 ? "  (--mmap: computed from the file mapping)" : use_gpu ? "  (pinned; the CPU computes its experts from it)" : "")
+    << "\n";
+  s << "    of which read by the CPU: " << gib(static_cast<double>(host_weights)) << " weights + "
+    << gib(static_cast<double>(host_experts)) << " routed experts\n";
+  if (!use_gpu)
+    s << "  KV cache            " << gib(static_cast<double>(host_kv)) << "  (" << options.n_ctx << " tokens, " << dtype_name(options.kv_type) << ")\n";
+  s << "  scratch             " << gib(static_cast<double>(host_scratch)) << "\n";
+  s << "  total               " << gib(static_cast<double>(host_total())) << "\n";
   s << "\nplacement by tensor class:\n";
   // Group: per class name (strip blk.N.), count on GPU / host.
   struct Agg { uint64_t gpu = 0, host = 0; int n = 0; std::string reason; };

@@ -29,6 +29,10 @@ struct MachineProfile {
   double host_mem_bw = 0;           // host RAM read with all threads
   double cpu_int8_flops = 0;        // CPU int8 matrix rate (prefill of host experts)
   int cpu_threads = 1;
+  // The CPU's own kernels, measured on this machine with cpu_threads threads: bytes per second of a
+  // one-token product over weights in RAM (decode), and int8 FLOP/s of a many-token product (prefill).
+  double cpu_decode_bw = 0;
+  uint64_t host_available_bytes = 0;  // MemAvailable, read fresh (0: unknown)
   std::string source = "defaults";  // "measured", "cached", "flags", "defaults"
 };
 
@@ -40,6 +44,7 @@ struct TensorOverride {
 
 struct PlanOptions {
   bool use_gpu = true;                // false: --gpu none
+  bool use_mmap = false;              // weights computed from the file mapping (CPU runs): not copied
   uint64_t vram_budget = 0;           // 0: the card's free memory minus a margin
   int n_ctx = 4096;
   DType kv_type = DType::F16;
@@ -83,6 +88,10 @@ struct Plan {
   uint64_t reserve = 0;               // CUDA context, cuBLAS workspace, fragmentation
   uint64_t gpu_weights = 0, gpu_experts = 0, gpu_kv = 0, gpu_scratch = 0;
   uint64_t host_weights = 0, host_experts = 0;
+  // What the process allocates in host memory: the weights' copy (the whole file's tensor data, pinned
+  // for a GPU run; none with --mmap on the CPU), the KV cache on a CPU run, and the CPU's scratch.
+  uint64_t host_weight_copy = 0, host_kv = 0, host_scratch = 0;
+  uint64_t host_total() const { return host_weight_copy + host_kv + host_scratch; }
   int experts_per_layer_gpu = 0;      // uniform spread (per layer counts may differ after overrides)
   std::vector<TensorPlacement> tensors;
   // Per decode token.
@@ -130,6 +139,17 @@ HostExpertsCost prefill_host_experts_cost(const PlanOptions& opt, const MachineP
 // GPU scratch of one model state: activations for a micro-batch of n_ubatch tokens, attention
 // partials for a context of n_ctx, and the upload ring (expert_bytes: one expert's gate+up+down).
 uint64_t gpu_scratch_bytes(const ModelConfig& cfg, int n_ubatch, int n_ctx, uint64_t expert_bytes, int chunk_experts);
+
+// Bytes of the KV cache of n_ctx positions (every layer's K and V rows of kv_type).
+uint64_t kv_cache_bytes(const ModelConfig& cfg, int64_t n_ctx, DType kv_type);
+
+// MemAvailable from /proc/meminfo (0 where it cannot be read).
+uint64_t host_memory_available();
+
+// Throws Error when `bytes` more host memory (for `what`) would not fit in what the machine has free,
+// naming both figures; a check before a large allocation, so that it fails with a message instead of
+// the out-of-memory killer.
+void check_host_memory(uint64_t bytes, const std::string& what);
 
 // Builds the plan from the file alone (no weights are read). Throws Error when the budget cannot hold
 // the non-expert weights plus a minimal KV cache, saying how much is needed.

@@ -4,6 +4,7 @@
 #include <thread>
 
 #include "runtime/error.h"
+#include "runtime/plan.h"
 
 namespace fitmoe {
 
@@ -21,6 +22,10 @@ int resolve_threads(const Model& model, int requested) {
 Session::Session(const Model& model, const SessionOptions& opt)
     : model_(model), opt_(opt), pool_(resolve_threads(model, opt.n_threads)) {
   if (opt.n_ctx <= 0) throw Error("context size must be positive");
+  // A CPU run keeps the KV cache in host memory: fail with the figures, not with the OOM killer.
+  if (!model.on_gpu())
+    check_host_memory(kv_cache_bytes(model.config(), opt.n_ctx, opt.kv_type),
+                      "the KV cache of " + std::to_string(opt.n_ctx) + " tokens");
   // Automatic batch: the plan's GPU micro-batch (larger when prefill streams host experts), else 512.
   if (opt_.n_batch <= 0) opt_.n_batch = std::max(512, model.plan().options.n_ubatch);
   StateOptions so;
@@ -59,6 +64,11 @@ std::vector<int32_t> Session::generate(std::span<const int32_t> prompt, int n_pr
   using clock = std::chrono::steady_clock;
   std::vector<int32_t> out;
   if (prompt.empty()) throw Error("generate needs at least one prompt token");
+  // Checked before any of it is computed.
+  if (static_cast<int>(prompt.size()) > n_ctx() - n_past())
+    throw Error("the prompt is " + std::to_string(prompt.size()) + " tokens, longer than the " +
+                (n_past() ? "room left in the context (" + std::to_string(n_ctx() - n_past()) + " of " : std::string("context (")) +
+                std::to_string(n_ctx()) + " tokens; -c sets it)");
   const int n_vocab = model_.config().n_vocab;
   auto t0 = clock::now();
   const std::vector<float>* logits = &eval(prompt, 1);
