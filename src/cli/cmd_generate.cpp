@@ -21,13 +21,14 @@ struct GenArgs {
   SamplerParams sampler;
 };
 
-void print_speed(const Model& model, const GenerationStats& st, int n_ctx) {
+void print_speed(const Model& model, const GenerationStats& st, int n_ctx, const SamplerParams& sp) {
   const double bpt = model.bytes_per_token();
   std::fprintf(stderr, "prompt:     %d tokens in %.3f s, %.2f tok/s\n", st.n_prompt, st.prompt_seconds, st.prompt_tps());
   // -n N reports N tokens; the speed is over the decode steps (the first token comes from the prompt).
   std::fprintf(stderr, "generation: %d tokens; %d decode steps in %.3f s, %.2f tok/s, %s of weights per token -> %.1f GB/s\n",
                st.n_generated, st.n_decoded, st.generate_seconds, st.generate_tps(), human_bytes(bpt).c_str(),
                bpt * st.generate_tps() / 1e9);
+  if (sp.temperature > 0) std::fprintf(stderr, "seed:       %llu (--seed repeats this run)\n", static_cast<unsigned long long>(sp.seed));
   if (st.context_full)
     std::fprintf(stderr, "stopped: the context of %d tokens is full (-c sets it)\n", n_ctx);
 }
@@ -100,7 +101,7 @@ void register_run(CLI::App& app) {
     }
     std::printf("\n");
     std::fflush(stdout);  // the text before the speed lines (stderr), also when both go to one pipe
-    print_speed(*model, st, s.n_ctx());
+    print_speed(*model, st, s.n_ctx(), a->sampler);
     if (interrupted()) {
       std::fprintf(stderr, "interrupted\n");
       throw Interrupted();
@@ -124,7 +125,7 @@ void register_generate(CLI::App& app) {
     GenerationStats st;
     install_interrupt_handler();
     auto out = s.generate(prompt, a->n_predict, sampler, [](int32_t) { return !interrupted(); }, {}, &st);
-    print_speed(*model, st, s.n_ctx());
+    print_speed(*model, st, s.n_ctx(), a->sampler);
     // The ids so far, also after Ctrl-C (then exit code 130).
     std::printf("%s\n", join_tokens(out).c_str());
     if (interrupted()) {

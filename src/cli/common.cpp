@@ -215,7 +215,6 @@ void add_sampler_options(CLI::App& app, SamplerParams& p) {
   app.parse_complete_callback([seed, &p] {
     p.seed = *seed >= 0 ? static_cast<uint64_t>(*seed) : (static_cast<uint64_t>(std::random_device{}()) << 20 ^
                                                           static_cast<uint64_t>(std::random_device{}())) & ((1ull << 52) - 1);
-    if (p.temperature > 0) std::fprintf(stderr, "seed: %llu\n", static_cast<unsigned long long>(p.seed));
   });
 }
 

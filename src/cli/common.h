@@ -43,7 +43,7 @@ LoadOptions load_options(const ModelOptions& o);
 std::unique_ptr<Model> load_model(const ModelOptions& o, const std::function<void(const Model&)>& check = {});
 
 // Sampling flags with their ranges. The seed: --seed N, or -1 (the default) for a random one; the seed
-// in use is printed on stderr when sampling is random, so that a run can be repeated.
+// in use is printed by the command with its summary when sampling is random, so that a run can be repeated.
 void add_sampler_options(CLI::App& app, SamplerParams& p);
 
 // Range checks whose message names the bound and the value ("must be at least 1 (got 0)").

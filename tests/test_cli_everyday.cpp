@@ -1,0 +1,142 @@
+// Everyday use of the CLI (issue 18): limits checked before work, named bad values, llama.cpp's flags,
+// unknown commands, token lists as tokenize prints them, output paths. Runs the real fitmoe binary.
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "reference_check.h"
+
+namespace {
+
+struct RunResult {
+  int code;
+  std::string out, err;
+};
+
+std::string tmp(const std::string& name) {
+  return ::testing::TempDir() + "/fitmoe_everyday_" + std::to_string(::getpid()) + "_" + name;
+}
+
+std::string slurp(const std::string& p) {
+  std::ifstream f(p);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+RunResult run(const std::string& args) {
+  std::string o = tmp("stdout"), e = tmp("stderr");
+  std::string cmd = std::string(FITMOE_BINARY) + " " + args + " >" + o + " 2>" + e + " </dev/null";
+  int status = std::system(cmd.c_str());
+  RunResult r{WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), slurp(o), slurp(e)};
+  std::remove(o.c_str());
+  std::remove(e.c_str());
+  return r;
+}
+
+std::string model() { return fitmoe::test::testdata("qwen3moe-tiny/qwen3moe-tiny-q4_k_m.gguf"); }
+
+bool has(const std::string& s, const std::string& frag) { return s.find(frag) != std::string::npos; }
+
+}  // namespace
+
+TEST(CliEveryday, HostMemoryIsCheckedBeforeAllocating) {
+  auto r = run("run -m " + model() + " -p hi -c 1000000000 -n 2 --gpu none");
+  EXPECT_EQ(r.code, 1) << r.err;
+  EXPECT_TRUE(has(r.err, "not enough host memory")) << r.err;
+  EXPECT_TRUE(has(r.err, "available")) << r.err;
+  EXPECT_FALSE(has(r.err, "bad_alloc")) << r.err;
+}
+
+TEST(CliEveryday, NumericFlagsNameTheirBounds) {
+  for (const char* bad : {"--top-p 2", "--repeat-penalty 0", "-c 0", "-n -1", "--temp -1", "--min-p 3", "-t -2"}) {
+    auto r = run("run -m " + model() + " -p hi " + bad);
+    EXPECT_EQ(r.code, 2) << bad << ": " << r.err;
+    EXPECT_TRUE(has(r.err, "must be")) << bad << ": " << r.err;
+    EXPECT_FALSE(has(r.err, "e+308")) << bad << ": " << r.err;
+  }
+}
+
+TEST(CliEveryday, UnknownCommandGetsTheListAndASuggestion) {
+  auto r = run("chatt");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_TRUE(has(r.err, "unknown command 'chatt'")) << r.err;
+  EXPECT_TRUE(has(r.err, "did you mean 'chat'")) << r.err;
+  EXPECT_TRUE(has(r.err, "generate")) << r.err;
+  auto h = run("help run");
+  EXPECT_EQ(h.code, 0);
+  EXPECT_TRUE(has(h.out, "--n-predict")) << h.out;
+}
+
+TEST(CliEveryday, LlamaCppFlagsAreNotMisparsed) {
+  auto r = run("generate -m " + model() + " --tokens 1,2 -n 2 -ngl 99 -fa -ub 64 --ctx-size 128");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(has(r.err, "-ngl 99")) << r.err;
+}
+
+TEST(CliEveryday, TokenListsAcceptTokenizesJsonArray) {
+  auto a = run("generate -m " + model() + " --tokens \"[1, 2, 3]\" -n 3");
+  auto b = run("generate -m " + model() + " --tokens 1,2,3 -n 3");
+  EXPECT_EQ(a.code, 0) << a.err;
+  EXPECT_EQ(a.out, b.out);
+  EXPECT_EQ(run("generate -m " + model() + " --tokens 1,,2 -n 1").code, 1);
+}
+
+TEST(CliEveryday, InputCheckedBeforeTheWeightsLoad) {
+  auto r = run("generate -m " + model() + " --tokens 999999 -n 2");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_TRUE(has(r.err, "outside the vocabulary")) << r.err;
+  auto p = run("generate -m " + model() + " --tokens 1,2,3,4,5,6,7,8,9,10 -c 4 -n 2");
+  EXPECT_EQ(p.code, 1);
+  EXPECT_TRUE(has(p.err, "the prompt is 10 tokens")) << p.err;
+  EXPECT_TRUE(has(p.err, "context of 4")) << p.err;
+}
+
+TEST(CliEveryday, FullContextIsReported) {
+  auto r = run("generate -m " + model() + " --tokens 1,2 -c 4 -n 30");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(has(r.err, "context of 4 tokens is full")) << r.err;
+}
+
+TEST(CliEveryday, NGeneratedTokensReportN) {
+  auto r = run("run -m " + model() + " --tokens 1,2 -n 5 --temp 0");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(has(r.err, "generation: 5 tokens")) << r.err;
+  auto z = run("run -m " + model() + " --tokens 1,2 -n 0");
+  EXPECT_TRUE(has(z.err, "generation: 0 tokens")) << z.err;
+}
+
+TEST(CliEveryday, OutputsAndInputsNameTheProblem) {
+  const std::string dir = ::testing::TempDir();
+  auto r = run("logits -m " + model() + " --tokens 1,2 -o " + dir);
+  EXPECT_EQ(r.code, 1);
+  EXPECT_TRUE(has(r.err, "is a directory")) << r.err;
+  std::string d = dir;
+  while (!d.empty() && d.back() == '/') d.pop_back();
+  std::ifstream partial(d + ".partial");
+  EXPECT_FALSE(partial.good());
+  auto f = run("run -m " + model() + " -f " + dir);
+  EXPECT_EQ(f.code, 1);
+  EXPECT_TRUE(has(f.err, "is a directory")) << f.err;
+  auto t = run("tokenize -m " + model() + " --file " + dir);
+  EXPECT_EQ(t.code, 1);
+  EXPECT_TRUE(has(t.err, "is a directory")) << t.err;
+  auto g = run("gen-model --router-skew abc -o " + tmp("x.gguf"));
+  EXPECT_EQ(g.code, 2);
+  EXPECT_TRUE(has(g.err, "not a number: 'abc'")) << g.err;
+}
+
+TEST(CliEveryday, RandomSeedIsPrintedAndRepeats) {
+  auto r = run("run -m " + model() + " --tokens 1,2 -n 4 --temp 1");
+  EXPECT_EQ(r.code, 0) << r.err;
+  const size_t at = r.err.find("seed:");
+  ASSERT_NE(at, std::string::npos) << r.err;
+  const unsigned long long seed = std::stoull(r.err.substr(r.err.find_first_of("0123456789", at)));
+  auto again = run("run -m " + model() + " --tokens 1,2 -n 4 --temp 1 --seed " + std::to_string(seed));
+  EXPECT_EQ(again.out, r.out);
+}
