@@ -854,7 +854,7 @@ TEST(Jinja, ErrorsNameTheConstruct) {
   expect_error([] { render("{{ undefined_fn() }}", "{}"); }, "'undefined_fn' is undefined");
   expect_error([] { render("{{ 1 + 'a' }}", "{}"); }, "unsupported operand types");
   expect_error([] { render("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "{}"); },
-               "too long");
+               "rendering takes more than 5000000 steps");
 }
 
 TEST(Jinja, UndefinedIsLenient) {
@@ -869,7 +869,7 @@ TEST(Jinja, HostileTemplatesFailCleanly) {
   std::string ifs;
   for (int i = 0; i < 5000; ++i) ifs += "{% if true %}";
   expect_error([&] { jinja::Template t(ifs); }, "deeper than 200");
-  expect_error([] { render("{{ 'x' * 1000000000 }}", "{}"); }, "too large");
+  expect_error([] { render("{{ 'x' * 1000000000 }}", "{}"); }, "a string value exceeds 33554432 bytes");
   // Random fragments of template syntax: every one either renders or throws fitmoe::Error.
   const char* bits[] = {"{{", "}}", "{%", "%}", "{#", "#}", "-", "+", " ", "if", "for", "in", "endif", "endfor",
                         "else", "set", "x", "=", "(", ")", "[", "]", "{", "}", "'", "\"", "|", "trim", "is",
@@ -891,4 +891,113 @@ TEST(Jinja, HostileTemplatesFailCleanly) {
     }
   }
   EXPECT_GT(rendered, 0);
+}
+
+// A GGUF's template is untrusted: every way to make a render use unbounded memory, time or stack ends in
+// a fitmoe::Error naming the bound (the interpreter used to end in std::bad_alloc, the OOM killer, a
+// division trap or a stack overflow on these).
+TEST(Jinja, RenderIsBoundedInMemory) {
+  // Doubling a string 64 times (2^64 bytes), by + and by ~, and a list likewise.
+  expect_error([] {
+    render("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s|length }}", "{}");
+  }, "a string value exceeds 33554432 bytes");
+  expect_error([] {
+    render("{% set ns = namespace(s='xy') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "{}");
+  }, "a string value exceeds");
+  expect_error([] {
+    render("{% set ns = namespace(l=[1]) %}{% for i in range(64) %}{% set ns.l = ns.l + ns.l %}{% endfor %}", "{}");
+  }, "a list exceeds 1048576 items");
+  expect_error([] {
+    render("{% set l = [0] %}{% for i in range(64) %}{% do l.extend(l) %}{% endfor %}", "{}");
+  }, "a list exceeds");
+  // Repetition, also with counts whose product with the length wraps around 64 bits.
+  expect_error([] { render("{{ [1, 2] * 1000000000 }}", "{}"); }, "a list exceeds");
+  expect_error([] { render("{{ 'ab' * 9223372036854775807 }}", "{}"); }, "a string value exceeds");
+  expect_error([] { render("{{ 'abcd' * 4611686018427387904 }}", "{}"); }, "a string value exceeds");
+  EXPECT_EQ(render("[{{ '' * 9223372036854775807 }}]", "{}"), "[]");
+  // Huge joins and replacements.
+  expect_error([] { render("{{ range(1000000)|map('string')|join('x' * 1000) }}", "{}"); }, "a string value exceeds");
+  expect_error([] { render("{{ ('x' * 1000000)|replace('x', 'y' * 40) }}", "{}"); }, "a string value exceeds");
+  expect_error([] { render("{{ 'x'.join(['y' * 1000000] * 100) }}", "{}"); }, "a string value exceeds");
+  expect_error([] { render("{{ 'ab'|indent(100000000) }}", "{}"); }, "a string value exceeds");
+  // A list holding one list twice, 40 levels deep: 2^40 leaves when printed or dumped as JSON.
+  for (const char* print : {"{{ ns.l }}", "{{ ns.l|tojson }}", "{{ ns.l|tojson(indent=2) }}", "{{ ns.l|string|length }}"}) {
+    expect_error([&] {
+      render(std::string("{% set ns = namespace(l=['x' * 1000]) %}{% for i in range(40) %}{% set ns.l = [ns.l, ns.l] %}"
+                         "{% endfor %}") + print, "{}");
+    }, "a string value exceeds");
+  }
+  // A string copied a few hundred times (each use of a variable is a copy): the bytes made in a render
+  // are bounded too.
+  expect_error([] {
+    render("{% set big = 'x' * 30000000 %}{% for i in range(1000) %}{% if big %}{% endif %}{% endfor %}", "{}");
+  }, "rendering makes more than 1073741824 bytes of values");
+  // Splitting a long string into a piece per character.
+  expect_error([] { render("{{ ('a' * 30000000).split('a')|length }}", "{}"); }, "a list exceeds");
+  // The whole output.
+  expect_error([] { render("{% for i in range(100) %}{{ 'x' * 1000000 }}{% endfor %}", "{}"); },
+               "output exceeds 33554432 bytes");
+  jinja::Limits small;
+  small.max_output = 10;
+  expect_error([&] { jinja::Template("{{ 'hello' }} {{ 'world' }}").render(ojson::object(), small); },
+               "output exceeds 10 bytes");
+  EXPECT_EQ(jinja::Template("{{ 'hello' }}").render(ojson::object(), small), "hello");
+}
+
+TEST(Jinja, RenderIsBoundedInTime) {
+  // Loops nested in loops, and builtins that visit many elements per step.
+  expect_error([] { render("{% for i in range(3000) %}{% for j in range(3000) %}{{ '' }}{% endfor %}{% endfor %}", "{}"); },
+               "steps");
+  expect_error([] { render("{{ range(1000000)|unique|list|length }}", "{}"); }, "steps");
+  expect_error([] { render("{% for i in range(1000) %}{% if 1 in range(1000000) %}{% endif %}{% endfor %}", "{}"); },
+               "steps");
+  expect_error([] { render("{% for i in range(100) %}{{ range(1000000)|sort|length }}{% endfor %}", "{}"); }, "steps");
+  // Comparing two big strings over and over.
+  expect_error([] {
+    render("{% set a = 'x' * 10000000 %}{% set l = [a, a] %}{% for i in range(1000) %}{% if l[0] in l[1:] %}{% endif %}"
+           "{% endfor %}", "{}");
+  }, "bytes");
+}
+
+TEST(Jinja, RenderIsBoundedInDepth) {
+  // A list nested 100000 levels deep (by a loop, so the parser's bound does not see it): printing it is
+  // an error, and freeing it does not overflow the stack.
+  const std::string deep =
+      "{% set ns = namespace(l=[]) %}{% for i in range(100000) %}{% set ns.l = [ns.l] %}{% endfor %}";
+  expect_error([&] { render(deep + "{{ ns.l }}", "{}"); }, "values nest deeper than 500 levels");
+  expect_error([&] { render(deep + "{{ ns.l|tojson }}", "{}"); }, "values nest deeper than 500 levels");
+  expect_error([&] { render(deep + "{{ ns.l == ns.l[0] }}", "{}"); }, "values nest deeper than 500 levels");
+  EXPECT_EQ(render(deep + "done", "{}"), "done");
+  EXPECT_EQ(render(deep + "{% set ns.l = none %}done", "{}"), "done");
+  // A list that holds itself (Python prints [[...]]): an error when printed, no stack overflow.
+  expect_error([] { render("{% set l = [] %}{% do l.append(l) %}{{ l }}", "{}"); }, "values nest deeper");
+  EXPECT_EQ(render("{% set l = [] %}{% do l.append(l) %}{% set ns = namespace() %}{% set ns.me = ns %}ok", "{}"), "ok");
+  // Macros calling macros from deep inside expressions: the interpreter's own recursion is bounded
+  // below the stack's size.
+  std::string open, close;
+  for (int i = 0; i < 25; ++i) open += "[", close += "]";
+  const std::string nested = "{% macro f(n) %}{{ " + open + "f(n - 1) if n > 0 else ''" + close + " }}{% endmacro %}";
+  EXPECT_NO_THROW(render(nested + "{{ f(10) }}", "{}"));
+  expect_error([&] { render(nested + "{{ f(60) }}", "{}"); }, "rendering nests deeper than 1000 levels");
+}
+
+TEST(Jinja, ArithmeticAndConversionsFailCleanly) {
+  expect_error([] { render("{{ 9223372036854775807 + 1 }}", "{}"); }, "integer overflow in +");
+  expect_error([] { render("{{ -9223372036854775807 - 2 }}", "{}"); }, "integer overflow in -");
+  expect_error([] { render("{{ 4294967296 * 4294967296 }}", "{}"); }, "integer overflow in *");
+  expect_error([] { render("{{ 2 ** 64 }}", "{}"); }, "integer overflow in **");
+  expect_error([] { render("{{ (-9223372036854775807 - 1) // -1 }}", "{}"); }, "integer overflow in //");
+  expect_error([] { render("{{ (-9223372036854775807 - 1) % -1 }}", "{}"); }, "integer overflow in %");
+  expect_error([] { render("{{ -(-9223372036854775807 - 1) }}", "{}"); }, "integer overflow in unary minus");
+  expect_error([] { render("{{ 1e300|int }}", "{}"); }, "cannot convert float");
+  expect_error([] { render("{{ '1e300'|int }}", "{}"); }, "cannot convert float");
+  EXPECT_EQ(render("{{ 2 ** 62 }} {{ (-1) ** 1000001 }} {{ 1 ** 100 }} {{ 0 ** 0 }} {{ 7 // -2 }}", "{}"),
+            "4611686018427387904 -1 1 1 -4");
+  // Slices and ranges whose step is near 2^63.
+  EXPECT_EQ(render("{{ [1, 2, 3][::9223372036854775807] }} {{ [1, 2, 3][::-9223372036854775807 - 1] }}", "{}"), "[1] [3]");
+  EXPECT_EQ(render("{{ range(0, 10, 9223372036854775807)|list }} {{ range(5, -10, -9223372036854775807)|list }}", "{}"),
+            "[0] [5]");
+  // Numbers too long for 64 bits where a field or attribute path is parsed.
+  expect_error([] { render("{{ '{99999999999999999999999}'.format(1) }}", "{}"); }, "argument index out of range");
+  EXPECT_EQ(render("{{ [[1]]|map(attribute='99999999999999999999')|list|length }}", "{}"), "1");
 }

@@ -22,13 +22,88 @@ namespace {
   throw Error("chat template, line " + std::to_string(line) + ": " + msg);
 }
 
-// ===================================== values =====================================================
+// ===================================== limits =====================================================
+// The budget of the render in progress (see Limits in jinja.h). It is thread-local because values are
+// made and copied in many small helpers (Value::str, Value's copy constructor, to_str) that have no
+// interpreter at hand; outside a render (parsing) nothing is charged.
 
 struct Value;
 struct Dict;
 struct Func;
 struct Interp;
 using List = std::vector<Value>;
+
+struct Budget {
+  Limits lim;
+  uint64_t steps = 0, bytes = 0;
+  int value_depth = 0;
+  // Containers the template changed in place: only those can close a reference cycle, which shared
+  // ownership never frees; the render empties them when it ends.
+  std::vector<std::weak_ptr<List>> changed_lists;
+  std::vector<std::weak_ptr<Dict>> changed_dicts;
+};
+thread_local Budget* t_budget = nullptr;
+
+[[noreturn]] void fail_limit(const std::string& msg) { throw Error("chat template: " + msg); }
+
+void charge_steps(uint64_t n) {
+  if (t_budget && (t_budget->steps += n) > t_budget->lim.max_steps)
+    fail_limit("rendering takes more than " + std::to_string(t_budget->lim.max_steps) + " steps");
+}
+void charge_bytes(uint64_t n) {
+  if (t_budget && (t_budget->bytes += n) > t_budget->lim.max_bytes)
+    fail_limit("rendering makes more than " + std::to_string(t_budget->lim.max_bytes) + " bytes of values");
+}
+// Called before a string of n bytes is made (or while one grows), so that it is never allocated.
+void check_string(uint64_t n) {
+  if (t_budget && n > t_budget->lim.max_string)
+    fail_limit("a string value exceeds " + std::to_string(t_budget->lim.max_string) + " bytes");
+}
+void check_items(uint64_t n) {
+  if (t_budget && n > t_budget->lim.max_items)
+    fail_limit("a list exceeds " + std::to_string(t_budget->lim.max_items) + " items");
+}
+
+// Printing and comparing values recurse into them; values nest without a parse-time bound (a list
+// appended into a list in a loop), so the recursion is bounded here rather than by the stack.
+struct ValueNest {
+  ValueNest() {
+    if (t_budget && ++t_budget->value_depth > t_budget->lim.max_value_depth) {
+      --t_budget->value_depth;
+      fail_limit("values nest deeper than " + std::to_string(t_budget->lim.max_value_depth) + " levels");
+    }
+  }
+  ~ValueNest() {
+    if (t_budget) --t_budget->value_depth;
+  }
+  ValueNest(const ValueNest&) = delete;
+  ValueNest& operator=(const ValueNest&) = delete;
+};
+
+// Freeing a deeply nested value recursively would overflow the stack (a chain of a million one-element
+// lists is a few template lines), so containers are freed through a work list: the outermost deleter
+// drains it, an inner one only moves its elements onto it.
+thread_local List* t_graveyard = nullptr;
+template <class C, class F>
+void free_iteratively(C* c, F&& move_elements_out) {
+  if (t_graveyard) {
+    move_elements_out(*c, *t_graveyard);
+    delete c;
+    return;
+  }
+  List grave;
+  t_graveyard = &grave;
+  move_elements_out(*c, grave);
+  delete c;
+  while (!grave.empty()) {
+    List v;  // (a Value is destroyed at the end of each turn; its containers land in `grave`)
+    v.swap(grave);
+    while (!v.empty()) v.pop_back();
+  }
+  t_graveyard = nullptr;
+}
+void delete_list(List* l);
+void delete_dict(Dict* d);
 
 struct Value {
   enum T : uint8_t { Undef, None, Bool, Int, Float, Str, Lst, Dct, Fn };
@@ -40,6 +115,19 @@ struct Value {
   std::shared_ptr<List> l;
   std::shared_ptr<Dict> d;
   std::shared_ptr<Func> fn;
+
+  Value() = default;
+  // Every copy of a string is charged: evaluation copies values freely, which is where the work is.
+  Value(const Value& o) : t(o.t), b(o.b), i(o.i), f(o.f), s((charge_bytes(o.s.size()), o.s)), l(o.l), d(o.d), fn(o.fn) {}
+  Value(Value&&) noexcept = default;
+  Value& operator=(const Value& o) {
+    if (this != &o) {
+      charge_bytes(o.s.size());
+      t = o.t, b = o.b, i = o.i, f = o.f, s = o.s, l = o.l, d = o.d, fn = o.fn;
+    }
+    return *this;
+  }
+  Value& operator=(Value&&) noexcept = default;
 
   static Value undef(std::string name = {}) {
     Value v;
@@ -70,21 +158,32 @@ struct Value {
     return v;
   }
   static Value str(std::string x) {
+    check_string(x.size());
+    charge_bytes(x.size());
     Value v;
     v.t = Str;
     v.s = std::move(x);
     return v;
   }
   static Value list(List x = {}) {
+    check_items(x.size());
+    charge_steps(x.size());
+    charge_bytes(x.size() * sizeof(Value));
     Value v;
     v.t = Lst;
-    v.l = std::make_shared<List>(std::move(x));
+    v.l = std::shared_ptr<List>(new List(std::move(x)), delete_list);
     return v;
   }
   static Value dict();
   bool is_num() const { return t == Int || t == Float || t == Bool; }
   double num() const { return t == Float ? f : t == Int ? static_cast<double>(i) : (b ? 1.0 : 0.0); }
 };
+
+void delete_list(List* l) {
+  free_iteratively(l, [](List& c, List& grave) {
+    for (auto& x : c) grave.push_back(std::move(x));
+  });
+}
 
 struct Dict {
   enum Kind { Plain, Namespace, Loop } kind = Plain;
@@ -100,11 +199,34 @@ struct Dict {
   }
 };
 
+void delete_dict(Dict* d) {
+  free_iteratively(d, [](Dict& c, List& grave) {
+    for (auto& kv : c.items) grave.push_back(std::move(kv.second));
+  });
+}
+
 Value Value::dict() {
   Value v;
   v.t = Dct;
-  v.d = std::make_shared<Dict>();
+  v.d = std::shared_ptr<Dict>(new Dict(), delete_dict);
   return v;
+}
+
+// A list about to grow by n items in place (append, extend, insert): bounded, charged, and remembered
+// as changed (see Budget).
+void grow_list(const std::shared_ptr<List>& l, size_t n) {
+  check_items(l->size() + n);
+  charge_bytes(n * sizeof(Value));
+  if (t_budget && (t_budget->changed_lists.empty() || t_budget->changed_lists.back().lock() != l)) {
+    charge_bytes(sizeof(std::weak_ptr<List>));
+    t_budget->changed_lists.push_back(l);
+  }
+}
+void changed_dict(const std::shared_ptr<Dict>& d) {
+  if (t_budget && (t_budget->changed_dicts.empty() || t_budget->changed_dicts.back().lock() != d)) {
+    charge_bytes(sizeof(std::weak_ptr<Dict>));
+    t_budget->changed_dicts.push_back(d);
+  }
 }
 
 struct Args {
@@ -232,17 +354,23 @@ std::string to_str(const Value& v) {
     case Value::Float: return py_float(v.f);
     case Value::Str: return v.s;
     case Value::Lst: {
+      ValueNest nest;
       std::string o = "[";
-      for (size_t k = 0; k < v.l->size(); ++k) o += (k ? ", " : "") + repr((*v.l)[k]);
+      for (size_t k = 0; k < v.l->size(); ++k) {
+        o += (k ? ", " : "") + repr((*v.l)[k]);
+        check_string(o.size());  // (a list holding the same list twice, 64 levels deep, prints 2^64 items)
+      }
       return o + "]";
     }
     case Value::Dct: {
       if (v.d->kind == Dict::Namespace) return "<Namespace>";
       if (v.d->kind == Dict::Loop) return "<LoopContext>";
+      ValueNest nest;
       std::string o = "{";
       bool first = true;
       for (const auto& [k, x] : v.d->items) {
         o += (first ? "" : ", ") + py_repr_str(k) + ": " + repr(x);
+        check_string(o.size());
         first = false;
       }
       return o + "}";
@@ -280,8 +408,10 @@ void json_escape(std::string& out, const std::string& s) {
 void to_json(std::string& out, const Value& v, int indent, int level) {
   auto nl = [&](int lvl) {
     if (indent < 0) return;
+    const uint64_t pad = static_cast<uint64_t>(indent) * static_cast<uint64_t>(lvl);
+    check_string(out.size() + 1 + pad);
     out += '\n';
-    out.append(static_cast<size_t>(indent * lvl), ' ');
+    out.append(static_cast<size_t>(pad), ' ');
   };
   switch (v.t) {
     case Value::Undef: case Value::None: out += "null"; return;
@@ -292,14 +422,19 @@ void to_json(std::string& out, const Value& v, int indent, int level) {
       else if (std::isinf(v.f)) out += v.f < 0 ? "-Infinity" : "Infinity";
       else out += py_float(v.f);
       return;
-    case Value::Str: json_escape(out, v.s); return;
+    case Value::Str:
+      check_string(out.size() + v.s.size());
+      json_escape(out, v.s);
+      return;
     case Value::Lst: {
       if (v.l->empty()) { out += "[]"; return; }
+      ValueNest nest;
       out += '[';
       for (size_t k = 0; k < v.l->size(); ++k) {
         if (k) out += indent < 0 ? ", " : ",";
         nl(level + 1);
         to_json(out, (*v.l)[k], indent, level + 1);
+        check_string(out.size());
       }
       nl(level);
       out += ']';
@@ -307,6 +442,7 @@ void to_json(std::string& out, const Value& v, int indent, int level) {
     }
     case Value::Dct: {
       if (v.d->items.empty()) { out += "{}"; return; }
+      ValueNest nest;
       out += '{';
       bool first = true;
       for (const auto& [k, x] : v.d->items) {
@@ -316,6 +452,7 @@ void to_json(std::string& out, const Value& v, int indent, int level) {
         json_escape(out, k);
         out += ": ";
         to_json(out, x, indent, level + 1);
+        check_string(out.size());
       }
       nl(level);
       out += '}';
@@ -348,8 +485,9 @@ Value from_json(const nlohmann::ordered_json& j) {
   }
 }
 
-// Python equality.
+// Python equality. Each call is a step and compared bytes are charged: unique and `in` compare many pairs.
 bool equal(const Value& a, const Value& b) {
+  charge_steps(1);
   if (a.is_num() && b.is_num()) {
     if (a.t == Value::Float || b.t == Value::Float) return a.num() == b.num();
     int64_t x = a.t == Value::Int ? a.i : a.b, y = b.t == Value::Int ? b.i : b.b;
@@ -358,20 +496,27 @@ bool equal(const Value& a, const Value& b) {
   if (a.t != b.t) return false;
   switch (a.t) {
     case Value::Undef: case Value::None: return true;
-    case Value::Str: return a.s == b.s;
-    case Value::Lst:
+    case Value::Str:
+      if (a.s.size() != b.s.size()) return false;
+      charge_bytes(a.s.size());
+      return a.s == b.s;
+    case Value::Lst: {
       if (a.l->size() != b.l->size()) return false;
+      ValueNest nest;
       for (size_t k = 0; k < a.l->size(); ++k)
         if (!equal((*a.l)[k], (*b.l)[k])) return false;
       return true;
-    case Value::Dct:
+    }
+    case Value::Dct: {
       if (a.d == b.d) return true;
       if (a.d->items.size() != b.d->items.size()) return false;
+      ValueNest nest;
       for (const auto& [k, x] : a.d->items) {
         Value* y = b.d->find(k);
         if (!y || !equal(x, *y)) return false;
       }
       return true;
+    }
     case Value::Fn: return a.fn == b.fn;
     default: return false;
   }
@@ -379,13 +524,18 @@ bool equal(const Value& a, const Value& b) {
 
 // Python ordering; throws for unorderable types.
 int compare(const Value& a, const Value& b, int line) {
+  charge_steps(1);
   if (a.is_num() && b.is_num()) {
     if (a.t == Value::Float || b.t == Value::Float) return a.num() < b.num() ? -1 : a.num() > b.num() ? 1 : 0;
     int64_t x = a.t == Value::Int ? a.i : a.b, y = b.t == Value::Int ? b.i : b.b;
     return x < y ? -1 : x > y ? 1 : 0;
   }
-  if (a.t == Value::Str && b.t == Value::Str) return a.s < b.s ? -1 : a.s > b.s ? 1 : 0;
+  if (a.t == Value::Str && b.t == Value::Str) {
+    charge_bytes(std::min(a.s.size(), b.s.size()));
+    return a.s.compare(b.s) < 0 ? -1 : a.s.compare(b.s) > 0 ? 1 : 0;
+  }
   if (a.t == Value::Lst && b.t == Value::Lst) {
+    ValueNest nest;
     for (size_t k = 0; k < a.l->size() && k < b.l->size(); ++k) {
       if (equal((*a.l)[k], (*b.l)[k])) continue;
       return compare((*a.l)[k], (*b.l)[k], line);
@@ -395,8 +545,15 @@ int compare(const Value& a, const Value& b, int line) {
   fail(line, std::string("cannot compare ") + type_name(a) + " with " + type_name(b));
 }
 
+// Code points of a string (4 bytes each, charged before they are made).
+std::vector<uint32_t> cps_of(const std::string& s) {
+  charge_bytes(static_cast<uint64_t>(s.size()) * 4);
+  return text::utf8_to_cps(s);
+}
+
 // Code-point view of a string for indexing and slicing.
 std::vector<std::string> chars_of(const std::string& s) {
+  charge_bytes(static_cast<uint64_t>(s.size()) * sizeof(std::string));  // (before it is made)
   std::vector<std::string> out;
   size_t i = 0;
   while (i < s.size()) {
@@ -415,6 +572,7 @@ std::vector<int64_t> slice_indices(int64_t n, const Value* a, const Value* b, co
     if (c->t != Value::Int) fail(line, "slice step must be an integer");
     step = c->i;
     if (step == 0) fail(line, "slice step cannot be zero");
+    if (step == INT64_MIN) step = INT64_MIN + 1;  // (the same slice of any list there can be; -step fits)
   }
   auto norm = [&](const Value* v, int64_t dflt, bool is_start) -> int64_t {
     if (!v || v->t == Value::None || v->t == Value::Undef) return dflt;
@@ -427,10 +585,11 @@ std::vector<int64_t> slice_indices(int64_t n, const Value* a, const Value* b, co
   };
   int64_t start = norm(a, step > 0 ? 0 : n - 1, true), stop = norm(b, step > 0 ? n : -1, false);
   std::vector<int64_t> idx;
+  // k stays within [-1, n] and |step| may be near 2^63: stop before k + step could overflow.
   if (step > 0)
-    for (int64_t k = start; k < stop; k += step) idx.push_back(k);
+    for (int64_t k = start; k < stop; k = stop - k > step ? k + step : stop) idx.push_back(k);
   else
-    for (int64_t k = start; k > stop; k += step) idx.push_back(k);
+    for (int64_t k = start; k > stop; k = k - stop > -step ? k + step : stop) idx.push_back(k);
   return idx;
 }
 
@@ -1402,31 +1561,44 @@ struct Scope {
 
 enum class Flow { Normal, Break, Continue };
 
-constexpr uint64_t kMaxSteps = 5'000'000;
-constexpr size_t kMaxOutput = 256u << 20;
-constexpr int kMaxDepth = 64;
-
 struct Interp {
-  uint64_t steps = 0;
-  int depth = 0;
+  int depth = 0;  // macro calls within macro calls
+  int nest = 0;   // eval / exec frames within each other (the stack)
   std::shared_ptr<Scope> root;
 
   void tick(int line) {
-    if (++steps > kMaxSteps) fail(line, "template takes too long (more than 5 million steps)");
+    if (t_budget && ++t_budget->steps > t_budget->lim.max_steps)
+      fail(line, "rendering takes more than " + std::to_string(t_budget->lim.max_steps) + " steps");
   }
+  // Bounds the recursion of evaluation (macros calling macros, each nesting expressions) below what
+  // the stack holds, also in sanitizer builds whose frames are large.
+  struct Nest {
+    Interp& in;
+    Nest(Interp& i, int line) : in(i) {
+      if (t_budget && ++in.nest > t_budget->lim.max_nesting) {
+        --in.nest;
+        fail(line, "rendering nests deeper than " + std::to_string(t_budget->lim.max_nesting) + " levels");
+      }
+    }
+    ~Nest() {
+      if (t_budget) --in.nest;
+    }
+  };
+  static size_t max_output() { return t_budget ? t_budget->lim.max_output : SIZE_MAX; }
 
   // ---- statements ----
   Flow exec(const Body& body, const std::shared_ptr<Scope>& sc, std::string& out) {
     for (const auto& s : body) {
       Flow f = exec(*s, sc, out);
       if (f != Flow::Normal) return f;
-      if (out.size() > kMaxOutput) fail(s->line, "template output exceeds 256 MiB");
+      if (out.size() > max_output()) fail(s->line, "output exceeds " + std::to_string(max_output()) + " bytes");
     }
     return Flow::Normal;
   }
 
   Flow exec(const Stmt& s, const std::shared_ptr<Scope>& sc, std::string& out) {
     tick(s.line);
+    Nest nest_guard(*this, s.line);
     switch (s.k) {
       case Stmt::Text: out += s.text; return Flow::Normal;
       case Stmt::Output: out += to_str(eval(*s.expr, sc)); return Flow::Normal;
@@ -1441,6 +1613,7 @@ struct Interp {
           Value* ns = sc->find(s.targets[0]);
           if (!ns || ns->t != Value::Dct || ns->d->kind != Dict::Namespace)
             fail(s.line, "cannot set attribute '" + s.attr + "' of '" + s.targets[0] + "': not a namespace()");
+          changed_dict(ns->d);
           ns->d->set(s.attr, std::move(v));
         } else {
           assign(s.targets, std::move(v), *sc, s.line);
@@ -1487,7 +1660,9 @@ struct Interp {
   List iterate(const Value& v, int line) {
     switch (v.t) {
       case Value::Undef: return {};
-      case Value::Lst: return *v.l;
+      case Value::Lst:
+        charge_steps(v.l->size());
+        return *v.l;
       case Value::Dct: {
         List keys;
         for (const auto& kv : v.d->items) keys.push_back(Value::str(kv.first));
@@ -1556,7 +1731,11 @@ struct Interp {
     return make_fn(m.name, [mp, ws](Interp& in, Args& a, int line) {
       auto parent = ws.lock();
       if (!parent) fail(line, "macro '" + mp->name + "' called after its scope ended");
-      if (++in.depth > kMaxDepth) fail(line, "macro recursion deeper than 64");
+      const int max_depth = t_budget ? t_budget->lim.max_macro_depth : 64;
+      if (++in.depth > max_depth) {
+        --in.depth;
+        fail(line, "macro recursion deeper than " + std::to_string(max_depth));
+      }
       auto sc = std::make_shared<Scope>();
       sc->parent = parent;
       if (a.pos.size() > mp->params.size())
@@ -1584,6 +1763,7 @@ struct Interp {
   // ---- expressions ----
   Value eval(const Expr& e, const std::shared_ptr<Scope>& sc) {
     tick(e.line);
+    Nest nest_guard(*this, e.line);
     switch (e.k) {
       case Expr::Lit: return e.lit;
       case Expr::Name: {
@@ -1629,7 +1809,11 @@ struct Interp {
       }
       case Expr::Neg: case Expr::Pos: {
         Value v = eval(*e.a, sc);
-        if (v.t == Value::Int || v.t == Value::Bool) return Value::integer(e.k == Expr::Neg ? -(v.t == Value::Int ? v.i : v.b) : (v.t == Value::Int ? v.i : v.b));
+        if (v.t == Value::Int || v.t == Value::Bool) {
+          const int64_t x = v.t == Value::Int ? v.i : v.b;
+          if (e.k == Expr::Neg && x == INT64_MIN) fail(e.line, "integer overflow in unary minus");
+          return Value::integer(e.k == Expr::Neg ? -x : x);
+        }
         if (v.t == Value::Float) return Value::real(e.k == Expr::Neg ? -v.f : v.f);
         fail(e.line, std::string("bad operand type for unary minus: ") + type_name(v));
       }
@@ -1685,6 +1869,7 @@ struct Interp {
     switch (hay.t) {
       case Value::Str:
         if (needle.t != Value::Str) fail(line, "'in <string>' requires a string as left operand");
+        charge_bytes(hay.s.size());
         return hay.s.find(needle.s) != std::string::npos;
       case Value::Lst:
         for (const auto& x : *hay.l)
@@ -1710,10 +1895,18 @@ struct Interp {
   }
 
   Value binary(const std::string& op, const Value& a, const Value& b, int line) {
-    if (op == "~") return Value::str(to_str(a) + to_str(b));
+    if (op == "~") {
+      std::string x = to_str(a), y = to_str(b);
+      check_string(x.size() + y.size());
+      return Value::str(x + y);
+    }
     if (op == "+") {
-      if (a.t == Value::Str && b.t == Value::Str) return Value::str(a.s + b.s);
+      if (a.t == Value::Str && b.t == Value::Str) {
+        check_string(a.s.size() + b.s.size());
+        return Value::str(a.s + b.s);
+      }
       if (a.t == Value::Lst && b.t == Value::Lst) {
+        check_items(a.l->size() + b.l->size());
         List l = *a.l;
         l.insert(l.end(), b.l->begin(), b.l->end());
         return Value::list(std::move(l));
@@ -1723,16 +1916,24 @@ struct Interp {
       const Value* s = a.t == Value::Str || a.t == Value::Lst ? &a : b.t == Value::Str || b.t == Value::Lst ? &b : nullptr;
       const Value* n = s == &a ? &b : &a;
       if (s && (n->t == Value::Int || n->t == Value::Bool)) {
-        int64_t times = std::max<int64_t>(0, n->t == Value::Int ? n->i : n->b);
-        if (times * static_cast<int64_t>(s->t == Value::Str ? s->s.size() : s->l->size()) > static_cast<int64_t>(kMaxOutput))
-          fail(line, "repetition too large");
+        const uint64_t times = static_cast<uint64_t>(std::max<int64_t>(0, n->t == Value::Int ? n->i : n->b));
+        const uint64_t unit = s->t == Value::Str ? s->s.size() : s->l->size();
+        // (checked before the product is formed: 'x' * 10**18 must not wrap around)
+        const uint64_t bound = s->t == Value::Str ? (t_budget ? t_budget->lim.max_string : 256u << 20)
+                                                  : (t_budget ? t_budget->lim.max_items : 1u << 20);
+        if (unit && times > bound / unit) {
+          if (s->t == Value::Str) check_string(bound + 1);
+          check_items(bound + 1);
+        }
+        const uint64_t reps = unit ? times : 0;  // ('' * 10**18 is '' at once)
         if (s->t == Value::Str) {
           std::string r;
-          for (int64_t k = 0; k < times; ++k) r += s->s;
+          r.reserve(static_cast<size_t>(reps * unit));
+          for (uint64_t k = 0; k < reps; ++k) r += s->s;
           return Value::str(std::move(r));
         }
         List r;
-        for (int64_t k = 0; k < times; ++k) r.insert(r.end(), s->l->begin(), s->l->end());
+        for (uint64_t k = 0; k < reps; ++k) r.insert(r.end(), s->l->begin(), s->l->end());
         return Value::list(std::move(r));
       }
     }
@@ -1740,9 +1941,19 @@ struct Interp {
       fail(line, std::string("unsupported operand types for ") + op + ": '" + type_name(a) + "' and '" + type_name(b) + "'");
     const bool ints = a.t != Value::Float && b.t != Value::Float;
     const int64_t x = a.t == Value::Int ? a.i : a.b, y = b.t == Value::Int ? b.i : b.b;
-    if (op == "+") return ints ? Value::integer(x + y) : Value::real(a.num() + b.num());
-    if (op == "-") return ints ? Value::integer(x - y) : Value::real(a.num() - b.num());
-    if (op == "*") return ints ? Value::integer(x * y) : Value::real(a.num() * b.num());
+    // Python's integers do not overflow; 64-bit ones here do, which is an error rather than a wrong
+    // number (or undefined behaviour).
+    auto checked = [&](bool (*f)(int64_t, int64_t, int64_t*)) {
+      int64_t r = 0;
+      if (f(x, y, &r)) fail(line, "integer overflow in " + op);
+      return Value::integer(r);
+    };
+    auto add = [](int64_t p, int64_t q, int64_t* r) { return __builtin_add_overflow(p, q, r); };
+    auto sub = [](int64_t p, int64_t q, int64_t* r) { return __builtin_sub_overflow(p, q, r); };
+    auto mul = [](int64_t p, int64_t q, int64_t* r) { return __builtin_mul_overflow(p, q, r); };
+    if (op == "+") return ints ? checked(add) : Value::real(a.num() + b.num());
+    if (op == "-") return ints ? checked(sub) : Value::real(a.num() - b.num());
+    if (op == "*") return ints ? checked(mul) : Value::real(a.num() * b.num());
     if (op == "/") {
       if (b.num() == 0) fail(line, "division by zero");
       return Value::real(a.num() / b.num());
@@ -1750,6 +1961,7 @@ struct Interp {
     if (op == "//" || op == "%") {
       if (b.num() == 0) fail(line, op == "%" ? "modulo by zero" : "division by zero");
       if (ints) {
+        if (x == INT64_MIN && y == -1) fail(line, "integer overflow in " + op);
         int64_t q = x / y, r = x % y;
         if (r != 0 && ((r < 0) != (y < 0))) {
           --q;
@@ -1762,9 +1974,13 @@ struct Interp {
     }
     if (op == "**") {
       if (ints && y >= 0) {
-        int64_t r = 1;
-        for (int64_t k = 0; k < y && k < 64; ++k) r *= x;
-        return Value::integer(r);
+        // 0, 1 and -1 stay small for any exponent; any other base overflows within 63 factors.
+        if (x == 0 || x == 1) return Value::integer(y == 0 ? 1 : x);
+        if (x == -1) return Value::integer(y % 2 ? -1 : 1);
+        int64_t p = 1;
+        for (int64_t k = 0; k < y; ++k)
+          if (__builtin_mul_overflow(p, x, &p)) fail(line, "integer overflow in **");
+        return Value::integer(p);
       }
       return Value::real(std::pow(a.num(), b.num()));
     }
@@ -1833,10 +2049,10 @@ struct Interp {
     std::vector<uint32_t> set;
     const std::vector<uint32_t>* sp = nullptr;
     if (chars && chars->t == Value::Str) {
-      set = text::utf8_to_cps(chars->s);
+      set = cps_of(chars->s);
       sp = &set;
     }
-    auto cps = text::utf8_to_cps(s);
+    auto cps = cps_of(s);
     size_t b = 0, e = cps.size();
     if (left)
       while (b < e && in_set(cps[b], sp)) ++b;
@@ -1850,7 +2066,7 @@ struct Interp {
     List out;
     if (!sep || sep->t == Value::None || sep->t == Value::Undef) {
       // Runs of whitespace; leading/trailing whitespace ignored.
-      auto cps = text::utf8_to_cps(s);
+      auto cps = cps_of(s);
       std::vector<std::pair<size_t, size_t>> words;
       size_t k = 0;
       while (k < cps.size()) {
@@ -1858,6 +2074,8 @@ struct Interp {
         if (k >= cps.size()) break;
         size_t b = k;
         while (k < cps.size() && !text::py_isspace(cps[k])) ++k;
+        charge_bytes(sizeof(Value) + 16);
+        check_items(words.size() + 1);
         words.emplace_back(b, k);
       }
       if (maxsplit >= 0 && static_cast<int64_t>(words.size()) > maxsplit + 1) {
@@ -1887,6 +2105,8 @@ struct Interp {
       int64_t n = 0;
       for (;;) {
         size_t f = (maxsplit >= 0 && n >= maxsplit) ? std::string::npos : s.find(sep->s, pos);
+        charge_bytes(sizeof(Value) + sizeof(std::string));
+        check_items(parts.size() + 1);
         if (f == std::string::npos) {
           parts.push_back(s.substr(pos));
           break;
@@ -1901,6 +2121,8 @@ struct Interp {
       for (;;) {
         size_t f = (maxsplit >= 0 && n >= maxsplit) || end < sep->s.size() ? std::string::npos
                                                                             : s.rfind(sep->s, end - sep->s.size());
+        charge_bytes(sizeof(Value) + sizeof(std::string));
+        check_items(parts.size() + 1);
         if (f == std::string::npos) {
           parts.push_back(s.substr(0, end));
           break;
@@ -1952,6 +2174,7 @@ struct Interp {
           ++n;
         }
         out += c;
+        check_string(out.size());
       }
       if (count < 0 || n < count) out += to;
       return out;
@@ -1964,6 +2187,7 @@ struct Interp {
       if (f == std::string::npos) break;
       out.append(s, pos, f - pos);
       out += to;
+      check_string(out.size());
       pos = f + from.size();
       ++n;
     }
@@ -1972,6 +2196,7 @@ struct Interp {
   }
 
   Value str_method(const Value& obj, const std::string& name, int line) {
+    charge_bytes(2 * obj.s.size());  // (s below, and the method's copy of it)
     const std::string s = obj.s;
     auto fn = [&](std::function<Value(Args&, int)> f) {
       return make_fn("str." + name, [f](Interp&, Args& a, int l) { return f(a, l); });
@@ -2045,6 +2270,7 @@ struct Interp {
           first = false;
           if (x.t != Value::Str) fail(l, "join() items must be strings");
           out += x.s;
+          check_string(out.size());
         }
         return Value::str(std::move(out));
       });
@@ -2071,7 +2297,8 @@ struct Interp {
               if (auto_idx >= a.pos.size()) fail(l, "format(): not enough arguments");
               v = &a.pos[auto_idx++];
             } else if (std::all_of(field.begin(), field.end(), [](char ch) { return std::isdigit(static_cast<unsigned char>(ch)); })) {
-              size_t idx = std::stoul(field);
+              size_t idx = SIZE_MAX;
+              std::from_chars(field.data(), field.data() + field.size(), idx);  // (idx stays SIZE_MAX on overflow)
               if (idx >= a.pos.size()) fail(l, "format(): argument index out of range");
               v = &a.pos[idx];
             } else {
@@ -2080,6 +2307,7 @@ struct Interp {
               if (!v) fail(l, "format(): missing argument '" + field + "'");
             }
             out += to_str(*v);
+            check_string(out.size());
             k = e;
           } else {
             out += c;
@@ -2094,7 +2322,7 @@ struct Interp {
         if (s.empty()) return Value::boolean(false);
         if (nm == "isupper") return Value::boolean(text::utf8_upper(s) == s && text::utf8_lower(s) != s);
         if (nm == "islower") return Value::boolean(text::utf8_lower(s) == s && text::utf8_upper(s) != s);
-        for (uint32_t c : text::utf8_to_cps(s)) {
+        for (uint32_t c : cps_of(s)) {
           bool ok = nm == "isspace" ? text::py_isspace(c)
                     : nm == "isdigit" ? (c >= '0' && c <= '9')
                     : nm == "isalpha" ? ((c | 32) >= 'a' && (c | 32) <= 'z') || c >= 0x80
@@ -2149,13 +2377,16 @@ struct Interp {
     if (name == "append")
       return make_fn("list.append", [l](Interp&, Args& a, int line) {
         if (a.pos.size() != 1) fail(line, "append() takes one argument");
+        grow_list(l, 1);
         l->push_back(a.pos[0]);
         return Value::none();
       });
     if (name == "extend")
       return make_fn("list.extend", [l](Interp& in, Args& a, int line) {
         if (a.pos.size() != 1) fail(line, "extend() takes one argument");
-        for (auto& x : in.iterate(a.pos[0], line)) l->push_back(x);
+        List items = in.iterate(a.pos[0], line);
+        grow_list(l, items.size());
+        for (auto& x : items) l->push_back(std::move(x));
         return Value::none();
       });
     if (name == "pop")
@@ -2173,6 +2404,7 @@ struct Interp {
         if (a.pos.size() != 2 || a.pos[0].t != Value::Int) fail(line, "insert() takes an index and a value");
         int64_t n = static_cast<int64_t>(l->size()), idx = a.pos[0].i < 0 ? a.pos[0].i + n : a.pos[0].i;
         idx = std::clamp<int64_t>(idx, 0, n);
+        grow_list(l, 1);
         l->insert(l->begin() + idx, a.pos[1]);
         return Value::none();
       });
@@ -2199,11 +2431,20 @@ struct Interp {
       size_t dot = path.find('.', pos);
       std::string part = path.substr(pos, dot == std::string::npos ? std::string::npos : dot - pos);
       bool digits = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
-      cur = digits ? get_item(cur, Value::integer(std::stoll(part)), line) : get_item(cur, Value::str(part), line);
+      int64_t idx = INT64_MAX;  // (an index too long for 64 bits is out of range, as INT64_MAX is)
+      if (digits) std::from_chars(part.data(), part.data() + part.size(), idx);
+      cur = digits ? get_item(cur, Value::integer(idx), line) : get_item(cur, Value::str(part), line);
       if (dot == std::string::npos) break;
       pos = dot + 1;
     }
     return cur;
+  }
+
+  // int(x) of a float: NaN, infinities and values beyond 64 bits are errors (a cast would be undefined).
+  static Value float_to_int(double x, int line) {
+    if (!(x > -9223372036854775808.0 && x < 9223372036854775808.0))
+      fail(line, "cannot convert float " + py_float(x) + " to integer");
+    return Value::integer(static_cast<int64_t>(x));
   }
 
   static int64_t length_of(const Value& v, int line) {
@@ -2256,6 +2497,7 @@ struct Interp {
           case '\'': out += "&#39;"; break;
           default: out += c;
         }
+        check_string(out.size());
       }
       return Value::str(std::move(out));
     }
@@ -2264,7 +2506,9 @@ struct Interp {
       const Value* w = a.get(0, "width");
       const Value* first = a.get(1, "first");
       const Value* blank = a.get(2, "blank");
-      std::string pad = w && w->t == Value::Str ? w->s : std::string(w && w->t == Value::Int ? static_cast<size_t>(std::max<int64_t>(0, w->i)) : 4, ' ');
+      const int64_t width = w && w->t == Value::Int ? std::max<int64_t>(0, w->i) : 4;
+      if (!(w && w->t == Value::Str)) check_string(static_cast<uint64_t>(width));
+      std::string pad = w && w->t == Value::Str ? w->s : std::string(static_cast<size_t>(width), ' ');
       std::string s = to_str(v), out;
       size_t pos = 0;
       bool first_line = true;
@@ -2273,6 +2517,7 @@ struct Interp {
         std::string ln = s.substr(pos, nl == std::string::npos ? std::string::npos : nl - pos);
         bool do_pad = first_line ? (first && truthy(*first)) : (!ln.empty() || (blank && truthy(*blank)));
         out += (do_pad ? pad : "") + ln;
+        check_string(out.size());
         if (nl == std::string::npos) break;
         out += '\n';
         pos = nl + 1;
@@ -2324,6 +2569,7 @@ struct Interp {
         if (!first) out += sep;
         first = false;
         out += to_str(attr && attr->t == Value::Str ? attr_path(x, attr->s, line) : x);
+        check_string(out.size());
       }
       return Value::str(std::move(out));
     }
@@ -2444,7 +2690,7 @@ struct Interp {
       Value d = dflt ? *dflt : Value::integer(0);
       if (v.t == Value::Int) return v;
       if (v.t == Value::Bool) return Value::integer(v.b);
-      if (v.t == Value::Float) return Value::integer(static_cast<int64_t>(v.f));
+      if (v.t == Value::Float) return float_to_int(v.f, line);
       if (v.t == Value::Str) {
         std::string s = strip(v.s, nullptr, true, true);
         int64_t x = 0;
@@ -2452,7 +2698,7 @@ struct Interp {
         if (r.ec == std::errc() && r.ptr == s.data() + s.size()) return Value::integer(x);
         char* end = nullptr;
         double f2 = std::strtod(s.c_str(), &end);
-        if (!s.empty() && end && *end == '\0') return Value::integer(static_cast<int64_t>(f2));
+        if (!s.empty() && end && *end == '\0') return float_to_int(f2, line);
       }
       return d;
     }
@@ -2576,9 +2822,11 @@ void add_globals(Scope& g) {
     } else fail(line, "range() needs arguments");
     if (step == 0) fail(line, "range() step cannot be zero");
     List l;
-    for (int64_t k = start; step > 0 ? k < stop : k > stop; k += step) {
-      if (l.size() >= 10'000'000) fail(line, "range() too large");
+    const size_t max_items = t_budget ? t_budget->lim.max_items : 10'000'000;
+    for (int64_t k = start; step > 0 ? k < stop : k > stop;) {
+      if (l.size() >= max_items) fail(line, "range() has more than " + std::to_string(max_items) + " items");
       l.push_back(Value::integer(k));
+      if (__builtin_add_overflow(k, step, &k)) break;  // (past the end of either direction)
     }
     return Value::list(std::move(l));
   });
@@ -2628,7 +2876,30 @@ Template::~Template() = default;
 Template::Template(Template&&) noexcept = default;
 Template& Template::operator=(Template&&) noexcept = default;
 
-std::string Template::render(const nlohmann::ordered_json& context) const {
+namespace {
+// Installs a render's budget for this thread and, when the render ends (also by an error), empties the
+// containers the template changed, which frees any reference cycle among them.
+struct BudgetScope {
+  Budget b;
+  Budget* prev;
+  explicit BudgetScope(const Limits& lim) : prev(t_budget) {
+    b.lim = lim;
+    t_budget = &b;
+  }
+  ~BudgetScope() {
+    t_budget = prev;  // (nothing below is charged)
+    for (auto& w : b.changed_lists)
+      if (auto l = w.lock()) List().swap(*l);
+    for (auto& w : b.changed_dicts)
+      if (auto d = w.lock()) decltype(d->items)().swap(d->items);
+  }
+  BudgetScope(const BudgetScope&) = delete;
+  BudgetScope& operator=(const BudgetScope&) = delete;
+};
+}  // namespace
+
+std::string Template::render(const nlohmann::ordered_json& context, const Limits& limits) const {
+  BudgetScope budget(limits);  // (first, so that it ends after every value of the render)
   Interp in;
   auto globals = std::make_shared<Scope>();
   add_globals(*globals);

@@ -25,10 +25,17 @@
 //
 // Anything else (include, extends, import, call blocks, unknown filters/tests, ...) fails with a
 // fitmoe::Error naming the construct and its line. Lenient where Hugging Face's environment would fail
-// late: an attribute of an undefined value is undefined. Rendering stops with an error after 5 million
-// evaluation steps, 256 MiB of output or a macro recursion depth of 64;
-// templates nesting deeper than 200 levels are rejected when parsed.
+// late: an attribute of an undefined value is undefined.
+//
+// A GGUF's template is untrusted input, so one render is bounded (Limits below): evaluation steps
+// (counting the elements builtins visit), bytes of strings and list slots made or copied over the whole
+// render, the size of the output and of any one string or list, macro recursion, how deeply evaluation
+// and values nest. Past a bound rendering stops with a fitmoe::Error naming it ("chat template: output
+// exceeds 33554432 bytes"). Integer overflow is an error too (Python would switch to big integers).
+// Templates nesting deeper than 200 levels are rejected when parsed.
 #pragma once
+#include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -36,6 +43,20 @@
 #include <nlohmann/json.hpp>
 
 namespace fitmoe::jinja {
+
+// Bounds on one render. The defaults leave real chat templates (Qwen3, Qwen3.5, Gemma 3 / 4) rendering a
+// conversation of several megabytes far from every bound, and keep a hostile one within about 1 GiB of
+// memory and a few seconds.
+struct Limits {
+  uint64_t max_steps = 5'000'000;       // expressions, statements, loop iterations, elements visited
+  uint64_t max_bytes = 1ull << 30;      // bytes of strings and list slots made or copied, in total
+  size_t max_output = 32u << 20;        // bytes of the rendered text (and of a block set or macro's text)
+  size_t max_string = 32u << 20;        // bytes of any one string value
+  size_t max_items = 1u << 20;          // elements of any one list
+  int max_macro_depth = 64;             // macro calls within macro calls
+  int max_nesting = 1000;               // expressions and statements being evaluated within each other
+  int max_value_depth = 500;            // lists and dicts within each other, when printed or compared
+};
 
 class Template {
  public:
@@ -48,7 +69,7 @@ class Template {
 
   // Renders with the given variables (a JSON object; keys become template variables). Throws
   // fitmoe::Error on runtime errors, including raise_exception() from the template.
-  std::string render(const nlohmann::ordered_json& context) const;
+  std::string render(const nlohmann::ordered_json& context, const Limits& limits = {}) const;
 
   struct Program;
 
