@@ -80,28 +80,6 @@ struct ValueNest {
   ValueNest& operator=(const ValueNest&) = delete;
 };
 
-// Freeing a deeply nested value recursively would overflow the stack (a chain of a million one-element
-// lists is a few template lines), so containers are freed through a work list: the outermost deleter
-// drains it, an inner one only moves its elements onto it.
-thread_local List* t_graveyard = nullptr;
-template <class C, class F>
-void free_iteratively(C* c, F&& move_elements_out) {
-  if (t_graveyard) {
-    move_elements_out(*c, *t_graveyard);
-    delete c;
-    return;
-  }
-  List grave;
-  t_graveyard = &grave;
-  move_elements_out(*c, grave);
-  delete c;
-  while (!grave.empty()) {
-    List v;  // (a Value is destroyed at the end of each turn; its containers land in `grave`)
-    v.swap(grave);
-    while (!v.empty()) v.pop_back();
-  }
-  t_graveyard = nullptr;
-}
 void delete_list(List* l);
 void delete_dict(Dict* d);
 
@@ -179,6 +157,28 @@ struct Value {
   double num() const { return t == Float ? f : t == Int ? static_cast<double>(i) : (b ? 1.0 : 0.0); }
 };
 
+// Freeing a deeply nested value recursively would overflow the stack (a chain of a million one-element
+// lists is a few template lines), so containers are freed through a work list: the outermost deleter
+// drains it, an inner one only moves its elements onto it.
+thread_local List* t_graveyard = nullptr;
+template <class C, class F>
+void free_iteratively(C* c, F&& move_elements_out) {
+  if (t_graveyard) {
+    move_elements_out(*c, *t_graveyard);
+    delete c;
+    return;
+  }
+  List grave;
+  t_graveyard = &grave;
+  move_elements_out(*c, grave);
+  delete c;
+  while (!grave.empty()) {
+    List v;  // (a Value is destroyed at the end of each turn; its containers land in `grave`)
+    v.swap(grave);
+    while (!v.empty()) v.pop_back();
+  }
+  t_graveyard = nullptr;
+}
 void delete_list(List* l) {
   free_iteratively(l, [](List& c, List& grave) {
     for (auto& x : c) grave.push_back(std::move(x));
