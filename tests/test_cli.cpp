@@ -9,37 +9,19 @@
 #include <sstream>
 
 #include "format/gguf.h"
+#include "cli_util.h"
 #include "reference_check.h"
 
 using namespace fitmoe;
 
 namespace {
 
-struct RunResult {
-  int code;
-  std::string out, err;
-};
+using fitmoe::test::RunResult;
+using fitmoe::test::run_fitmoe;
 
-std::string tmp(const std::string& name) {
-  return ::testing::TempDir() + "/fitmoe_cli_" + std::to_string(::getpid()) + "_" + name;
-}
+std::string tmp(const std::string& name) { return fitmoe::test::temp_path("fitmoe_cli", name); }
 
-std::string slurp_text(const std::string& p) {
-  std::ifstream f(p);
-  std::stringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
-
-RunResult run_fitmoe(const std::string& args) {
-  std::string o = tmp("stdout"), e = tmp("stderr");
-  std::string cmd = std::string(FITMOE_BINARY) + " " + args + " >" + o + " 2>" + e;
-  int status = std::system(cmd.c_str());
-  RunResult r{WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), slurp_text(o), slurp_text(e)};
-  std::remove(o.c_str());
-  std::remove(e.c_str());
-  return r;
-}
+std::string slurp_text(const std::string& p) { return fitmoe::test::slurp(p); }
 
 std::string last_line(const std::string& s) {
   std::string t = s;

@@ -14,40 +14,22 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cli_util.h"
 #include "testdata.h"
 
 namespace {
 
-struct RunResult {
-  int code;
-  std::string out, err;
-};
+using fitmoe::test::RunResult;
+using fitmoe::test::run_fitmoe;
+using fitmoe::test::slurp;
 
-std::string tmp(const std::string& name) {
-  return ::testing::TempDir() + "/fitmoe_bench_" + std::to_string(::getpid()) + "_" + name;
-}
-
-std::string slurp(const std::string& p) {
-  std::ifstream f(p);
-  std::stringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
+std::string tmp(const std::string& name) { return fitmoe::test::temp_path("fitmoe_bench", name); }
 
 std::string slurp_binary(const std::string& p) {
   std::ifstream f(p, std::ios::binary);
   return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
 }
 
-RunResult run_fitmoe(const std::string& args) {
-  const std::string o = tmp("stdout"), e = tmp("stderr");
-  const std::string cmd = std::string(FITMOE_BINARY) + " " + args + " >" + o + " 2>" + e;
-  const int status = std::system(cmd.c_str());
-  RunResult r{WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), slurp(o), slurp(e)};
-  std::remove(o.c_str());
-  std::remove(e.c_str());
-  return r;
-}
 
 std::vector<std::string> lines(const std::string& s) {
   std::vector<std::string> v;

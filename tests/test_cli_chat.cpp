@@ -12,38 +12,17 @@
 #include <sstream>
 #include <string>
 
+#include "cli_util.h"
 #include "testdata.h"
 
 namespace {
 
-struct RunResult {
-  int code;
-  std::string out, err;
-};
+using fitmoe::test::RunResult;
 
-std::string tmp(const std::string& name) {
-  return ::testing::TempDir() + "/fitmoe_cli_chat_" + std::to_string(::getpid()) + "_" + name;
-}
-
-std::string slurp_text(const std::string& p) {
-  std::ifstream f(p);
-  std::stringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
+std::string tmp(const std::string& name) { return fitmoe::test::temp_path("fitmoe_cli_chat", name); }
 
 // Runs fitmoe with `input` on its standard input (a file: not a terminal, as in a pipe).
-RunResult run_fitmoe(const std::string& args, const std::string& input) {
-  const std::string i = tmp("stdin"), o = tmp("stdout"), e = tmp("stderr");
-  std::ofstream(i, std::ios::binary) << input;
-  const std::string cmd = std::string(FITMOE_BINARY) + " " + args + " <" + i + " >" + o + " 2>" + e;
-  const int status = std::system(cmd.c_str());
-  RunResult r{WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), slurp_text(o), slurp_text(e)};
-  std::remove(i.c_str());
-  std::remove(o.c_str());
-  std::remove(e.c_str());
-  return r;
-}
+RunResult run_fitmoe(const std::string& args, const std::string& input) { return fitmoe::test::run_fitmoe(args, &input); }
 
 int count(const std::string& s, const std::string& what) {
   int n = 0;

@@ -9,34 +9,18 @@
 #include <fstream>
 #include <sstream>
 
+#include "cli_util.h"
 #include "reference_check.h"
 
 namespace {
 
-struct RunResult {
-  int code;
-  std::string out, err;
-};
+using fitmoe::test::RunResult;
 
-std::string tmp(const std::string& name) {
-  return ::testing::TempDir() + "/fitmoe_everyday_" + std::to_string(::getpid()) + "_" + name;
-}
-
-std::string slurp(const std::string& p) {
-  std::ifstream f(p);
-  std::stringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
+std::string tmp(const std::string& name) { return fitmoe::test::temp_path("fitmoe_everyday", name); }
 
 RunResult run(const std::string& args) {
-  std::string o = tmp("stdout"), e = tmp("stderr");
-  std::string cmd = std::string(FITMOE_BINARY) + " " + args + " >" + o + " 2>" + e + " </dev/null";
-  int status = std::system(cmd.c_str());
-  RunResult r{WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), slurp(o), slurp(e)};
-  std::remove(o.c_str());
-  std::remove(e.c_str());
-  return r;
+  const std::string none;
+  return fitmoe::test::run_fitmoe(args, &none);  // stdin empty: no command waits for a terminal
 }
 
 std::string model() { return fitmoe::test::testdata("qwen3moe-tiny/qwen3moe-tiny-q4_k_m.gguf"); }
