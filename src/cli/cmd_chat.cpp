@@ -141,19 +141,7 @@ void register_chat(CLI::App& app) {
   add_model_options(*cmd, a->model);
   add_sampler_options(*cmd, a->sampler);
   cmd->add_option("--system", a->system, "system prompt");
-  // (its own check: an answer of no tokens is no answer; CLI11's PositiveNumber would not say the bound)
-  cmd->add_option("-n,--n-predict", a->n_predict, "most tokens per answer")
-      ->check(CLI::Validator(
-          [](std::string& v) {
-            try {
-              size_t used = 0;
-              const long long x = std::stoll(v, &used);
-              if (used == v.size() && x >= 1 && x <= (1 << 30)) return std::string();
-            } catch (const std::exception&) {
-            }
-            return "must be an integer of at least 1 (got " + v + ")";
-          },
-          "INT >= 1"));
+  cmd->add_option("-n,--n-predict", a->n_predict, "most tokens per answer")->check(at_least(1));  // no tokens is no answer
   cmd->add_flag("--no-think", a->no_think, "ask templates that support it to skip the thinking part");
   cmd->callback([a] {
     auto model = load_model(a->model);
