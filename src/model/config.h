@@ -1,6 +1,7 @@
 // Hyperparameters of a model as the forward passes and the planner see them.
 #pragma once
 #include <string>
+#include <vector>
 
 #include "runtime/rope.h"
 
@@ -38,6 +39,22 @@ struct ModelConfig {
   int rope_n_ctx_orig = 0;         // YaRN: original_context_length (n_ctx_train when absent)
   int n_rot = 0;           // rotated dims per head
   bool tied_output = false;
+
+  // qwen35 / qwen35moe (hybrid: Gated DeltaNet layers and gated full-attention layers). Zero or empty
+  // for the other architectures, which never read them. n_layer counts every block of the file, as
+  // the plan sees them; the last n_layer_mtp of them are MTP (nextn) blocks, which the trunk's
+  // forward pass does not run.
+  std::vector<bool> recurrent_layers;  // per layer: true = DeltaNet, false = full attention (MTP: false)
+  int full_attention_interval = 0;     // from the file (0 when it gave an explicit layer list)
+  int ssm_conv_kernel = 0;             // causal depthwise conv1d width
+  int ssm_n_k_heads = 0;               // DeltaNet query/key heads (ssm.group_count)
+  int ssm_n_v_heads = 0;               // DeltaNet value heads (ssm.time_step_rank)
+  int ssm_head_k_dim = 0;              // per-head key width (ssm.state_size)
+  int ssm_head_v_dim = 0;              // per-head value width (ssm.inner_size / value heads)
+  int rope_sections[4] = {0, 0, 0, 0}; // multi-section RoPE (IMRoPE): pairs per section t, h, w, e
+  int n_ff_shexp = 0;                  // shared expert width (0: none)
+  int n_layer_mtp = 0;                 // nextn_predict_layers
+  int n_layer_trunk() const { return n_layer - n_layer_mtp; }
 };
 
 // The RoPE parameters of the model's attention, as the kernels take them.

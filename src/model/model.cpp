@@ -22,6 +22,8 @@ const std::map<std::string, ModelFactory>& registry() {
   static const std::map<std::string, ModelFactory> r = {
       {"qwen3moe", make_qwen3_model},
       {"qwen3", make_qwen3_model},
+      {"qwen35moe", make_qwen35_model},
+      {"qwen35", make_qwen35_model},
   };
   return r;
 }

@@ -73,9 +73,18 @@ class ModelState {
   virtual ~ModelState() = default;
   int n_ctx() const { return n_ctx_; }
   int n_past() const { return n_past_; }
-  // Forget positions >= n (n <= n_past): used by chat to rewind and by speculative decoding.
+  // Forget positions >= n (n <= n_past): used by chat to rewind and by speculative decoding. A KV cache
+  // is indexed by position, so it lands exactly at n. A recurrent state (qwen35's DeltaNet layers)
+  // cannot be rewound: it lands at the nearest checkpoint at or below n (position 0 always works),
+  // n_past() says where, and the caller feeds the tokens from there to n again (Session::truncate
+  // does). It never continues silently from a state that has seen tokens >= n.
   virtual void truncate(int n) { n_past_ = n < n_past_ ? n : n_past_; }
   void reset() { truncate(0); }
+  // Keeps what a later truncate() to the current position needs: nothing for a KV cache, a copy of
+  // the recurrent state otherwise (the last few are kept, see StateOptions::max_checkpoints).
+  virtual void checkpoint() {}
+  // True when the state holds recurrent layers, i.e. truncate() may land below the position asked for.
+  virtual bool recurrent() const { return false; }
   virtual size_t bytes() const = 0;
 
  protected:
@@ -88,6 +97,7 @@ class ModelState {
 struct StateOptions {
   int n_ctx = 4096;
   DType kv_type = DType::F16;  // F16 (default, as the reference) or F32
+  int max_checkpoints = 4;     // recurrent states: the newest this many checkpoints are kept
 };
 
 // Hybrid decode's routing guesses (GPU runs with host-resident experts): hybrid layer steps decoded,

@@ -49,6 +49,11 @@ const std::vector<float>& Session::eval(std::span<const int32_t> tokens, int n_l
     model_.forward(*state_, pool_, tokens.subspan(b, len), want, dst);
   }
   history_.insert(history_.end(), tokens.begin(), tokens.end());
+  // A recurrent state cannot be rewound, only restored: keep one at the end of each prompt-sized
+  // batch (a chat turn's prompt, a generation's prompt), so that rewinding into what came after it
+  // re-evaluates from here instead of from the start. Decode steps take none (for the 35B shape a
+  // copy is 63 MiB).
+  if (n > 1) state_->checkpoint();
   return logits;
 }
 
@@ -56,7 +61,19 @@ void Session::truncate(int n) {
   n = std::clamp(n, 0, static_cast<int>(history_.size()));
   state_->truncate(n);
   history_.resize(static_cast<size_t>(n));
+  // A recurrent state lands at its nearest checkpoint at or below n: feed the tokens between it and n
+  // again (no logits needed), then keep a checkpoint at n for the next rewind.
+  const int at = state_->n_past();
+  if (at < n) {
+    for (int b = at; b < n; b += opt_.n_batch) {
+      const int len = std::min(opt_.n_batch, n - b);
+      model_.forward(*state_, pool_, std::span<const int32_t>(history_.data() + b, static_cast<size_t>(len)), 0, nullptr);
+    }
+    state_->checkpoint();
+  }
 }
+
+void Session::checkpoint() { state_->checkpoint(); }
 
 std::vector<int32_t> Session::generate(std::span<const int32_t> prompt, int n_predict, Sampler& sampler,
                                        const std::function<bool(int32_t)>& on_token,

@@ -49,7 +49,13 @@ class Session {
   // Tokens whose K/V the state holds, in order (what eval() and generate() fed).
   const std::vector<int32_t>& history() const { return history_; }
   // Forgets every position from n on (chat rewinds to the part of a conversation that is unchanged).
+  // With recurrent layers (qwen35) the state is restored from its nearest checkpoint at or below n and
+  // the history from there to n is evaluated again, so afterwards n_past() == n either way.
   void truncate(int n);
+  // Keeps a checkpoint of the state at the current position (recurrent layers; a no-op for a KV cache),
+  // so that a later truncate() to here needs no re-evaluation. eval() keeps one after every batch of
+  // more than one token; chat should call this at the end of each answer.
+  void checkpoint();
 
   // Prompt in batches, then one token per step until n_predict tokens, a stop token or a callback
   // returning false. on_token sees each generated id.
