@@ -5,8 +5,10 @@
 
 #include <filesystem>
 
+#include "cli_util.h"
 #include "gguf_copy.h"
 #include "model/qwen35.h"
+#include "model/synthetic.h"
 #include "reference_check.h"
 #include "runtime/error.h"
 #include "runtime/thread_pool.h"
@@ -253,6 +255,116 @@ TEST(Qwen35BadFile, OneLineErrorNamingTheProblem) {
     }
   }
   std::filesystem::remove(tmp);
+}
+
+// gen-model's tiny presets write the fixtures' layout: the same tensor names, shapes and (q4_k_m) the
+// types the reference's quantizer chose, metadata the loader reads the same way.
+TEST(Qwen35GenModel, TinyPresetsHaveTheFixturesLayoutAndTypes) {
+  ThreadPool pool(2);
+  struct P {
+    const char* preset;
+    const char* folder;
+  };
+  for (const P& p : {P{"tiny", "qwen35moe-tiny"}, P{"tiny-mtp", "qwen35moe-mtp-tiny"}}) {
+    for (const char* type : {"f32", "q4_k_m"}) {
+      const std::string out = (std::filesystem::temp_directory_path() / (std::string("fitmoe-q35-gen-") + p.preset + type + ".gguf")).string();
+      SyntheticSpec spec;
+      spec.arch = "qwen35moe";
+      spec.preset = p.preset;
+      spec.type = type;
+      write_synthetic_model(spec, out, pool);
+      auto mine = gguf::File::open(out);
+      auto ref = gguf::File::open(test::testdata(p.folder) + "/" + p.folder + "-" + type + ".gguf");
+      EXPECT_EQ(mine->tensors().size(), ref->tensors().size()) << p.preset << " " << type;
+      for (const auto& t : ref->tensors()) {
+        const gguf::TensorInfo* m = mine->find_tensor(t.name);
+        if (!m) {
+          ADD_FAILURE() << p.preset << " " << type << ": no " << t.name;
+          continue;
+        }
+        EXPECT_EQ(m->ne, t.ne) << t.name;
+        EXPECT_EQ(dtype_name(m->type), dtype_name(t.type)) << p.preset << " " << type << " " << t.name;
+      }
+      LoadOptions lo;
+      lo.plan.use_gpu = false;
+      auto a = Model::load(out, lo), b = Model::load(ref->path(), lo);
+      const ModelConfig &ca = a->config(), &cb = b->config();
+      EXPECT_EQ(ca.recurrent_layers, cb.recurrent_layers);
+      EXPECT_EQ(ca.n_layer_mtp, cb.n_layer_mtp);
+      EXPECT_EQ(qwen35_layer_pattern(ca), qwen35_layer_pattern(cb));
+      EXPECT_EQ(ca.n_rot, cb.n_rot);
+      EXPECT_EQ(std::vector<int>(ca.rope_sections, ca.rope_sections + 4), std::vector<int>(cb.rope_sections, cb.rope_sections + 4));
+      // Random weights, but a sane forward: finite logits.
+      SessionOptions so;
+      so.n_threads = 2;
+      so.n_ctx = 64;
+      Session s(*a, so);
+      const std::vector<int32_t> toks = {1, 2, 3, 4, 5};
+      const auto& lg = s.eval(toks, 1);
+      for (float v : lg) ASSERT_TRUE(std::isfinite(v));
+      std::filesystem::remove(out);
+    }
+  }
+}
+
+// Dense qwen35 (the same layers with one SwiGLU FFN): a prefill batch and token-by-token decoding give
+// the same logits, and rewinds work as for the MoE.
+TEST(Qwen35Dense, PrefillEqualsDecodeAndRewinds) {
+  ThreadPool pool(2);
+  const std::string out = (std::filesystem::temp_directory_path() / "fitmoe-q35-dense.gguf").string();
+  SyntheticSpec spec;
+  spec.arch = "qwen35";
+  spec.preset = "tiny";
+  spec.type = "f32";
+  write_synthetic_model(spec, out, pool);
+  LoadOptions lo;
+  lo.plan.use_gpu = false;
+  auto model = Model::load(out, lo);
+  EXPECT_EQ(model->config().arch, "qwen35");
+  const int V = model->config().n_vocab;
+  std::vector<int32_t> toks;
+  for (int i = 0; i < 12; ++i) toks.push_back((i * 37 + 5) % V);
+  SessionOptions so;
+  so.n_threads = 2;
+  so.n_ctx = 64;
+  Session a(*model, so), b(*model, so);
+  const std::vector<float> all = a.eval(toks, static_cast<int>(toks.size()));
+  for (size_t i = 0; i < toks.size(); ++i) {
+    const auto& one = b.eval(std::span<const int32_t>(&toks[i], 1), 1);
+    EXPECT_LE(test::rel_l2(one.data(), all.data() + i * V, V), 1e-5) << "position " << i;
+  }
+  b.truncate(5);  // no checkpoint (single-token evals): re-evaluates from 0
+  const auto& again = b.eval(std::span<const int32_t>(&toks[5], 1), 1);
+  EXPECT_LE(test::rel_l2(again.data(), all.data() + 5 * V, V), 1e-5);
+  std::filesystem::remove(out);
+}
+
+// fitmoe info names the layer pattern, the MTP block and where it runs; a bad file is one line on
+// stderr and exit code 1; gen-model writes the 35B-A3B shape cut to a few layers.
+TEST(Qwen35Cli, InfoListsLayersAndMtpAndBadFilesFailInOneLine) {
+  const std::string mtp = test::testdata("qwen35moe-mtp-tiny") + "/qwen35moe-mtp-tiny-q4_k_m.gguf";
+  auto r = test::run_fitmoe("info -m " + mtp);
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("layers:        1 Gated DeltaNet + 1 gated full attention (one in 2); full attention at 1"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("MTP:           1 block (blk.2"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("supported:     yes (qwen35moe: 2 layers"), std::string::npos) << r.out;
+
+  const std::string bad = test::temp_path("q35cli", "bad.gguf");
+  test::write_with(mtp, bad, {{"qwen35moe.attention.head_count_kv", "u", "", 3}});
+  r = test::run_fitmoe("info -m " + bad);
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("head_count (4) must be a multiple of head_count_kv (3)"), std::string::npos) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  std::remove(bad.c_str());
+
+  const std::string big = test::temp_path("q35cli", "35b.gguf");
+  r = test::run_fitmoe("gen-model --arch qwen35moe --preset 35b-a3b --type q4_k_m --layers 1 -o " + big);
+  EXPECT_EQ(r.code, 0) << r.err;
+  r = test::run_fitmoe("info -m " + big);
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("16/2 heads x 256, vocab 248320, 256 experts, 8 active, width 512"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("1 Gated DeltaNet + 0 gated full attention"), std::string::npos) << r.out;
+  std::remove(big.c_str());
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include "cli/common.h"
 #include "format/gguf.h"
+#include "model/qwen35.h"
 #include "runtime/error.h"
 
 namespace fitmoe::cli {
@@ -55,9 +56,20 @@ void register_info(CLI::App& app) {
       auto model = Model::load(*path);
       const auto& c = model->config();
       std::printf("supported:     yes (%s: %d layers, n_embd %d, %d/%d heads x %d, vocab %d", c.arch.c_str(),
-                  c.n_layer, c.n_embd, c.n_head, c.n_head_kv, c.head_dim, c.n_vocab);
+                  c.n_layer_trunk(), c.n_embd, c.n_head, c.n_head_kv, c.head_dim, c.n_vocab);
       if (c.n_expert) std::printf(", %d experts, %d active, width %d", c.n_expert, c.n_expert_used, c.n_ff_exp);
       std::printf("); %s of weights read per generated token\n", human_bytes(model->bytes_per_token()).c_str());
+      if (!c.recurrent_layers.empty()) {
+        // Hybrid stacks: which layers are which, and the MTP block the trunk's pass does not run.
+        std::printf("layers:        %s\n", qwen35_layer_pattern(c).c_str());
+        if (c.n_layer_mtp)
+          std::printf("MTP:           %d block (blk.%d: nextn eh_proj, full attention, %s), loaded; drafts are evaluated by "
+                      "qwen35_mtp_forward (no speculative decoding in the CLI yet)\n",
+                      c.n_layer_mtp, c.n_layer_trunk(), c.n_expert ? "MoE + shared expert" : "dense FFN");
+        else
+          std::printf("MTP:           none\n");
+        std::printf("runs on:       the CPU (no GPU forward pass for %s yet: a GPU run falls back to the CPU)\n", c.arch.c_str());
+      }
     } catch (const Error& e) {
       std::printf("supported:     no\n");
       std::fflush(stdout);

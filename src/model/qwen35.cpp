@@ -68,7 +68,7 @@ std::string qwen35_layer_pattern(const ModelConfig& c) {
   for (int l = 0; l < c.n_layer_trunk(); ++l)
     if (!c.recurrent_layers[l]) full += (n_full++ ? ", " : "") + std::to_string(l);
   o << c.n_layer_trunk() - n_full << " Gated DeltaNet + " << n_full << " gated full attention";
-  if (c.full_attention_interval) o << " (every " << c.full_attention_interval << "th)";
+  if (c.full_attention_interval) o << " (one in " << c.full_attention_interval << ")";
   o << "; full attention at " << (full.empty() ? std::string("none") : full);
   return o.str();
 }

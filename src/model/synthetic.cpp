@@ -1,6 +1,7 @@
 #include "model/synthetic.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -24,6 +25,12 @@ struct Shape {
   int n_expert, n_expert_used, n_ff_exp;
   float rope_base;
   bool tied;
+  // qwen35 / qwen35moe only: every full_attn_every-th layer is gated full attention, the others Gated
+  // DeltaNets of ssm_k_heads key and ssm_v_heads value heads of width ssm_head with a conv of width
+  // conv; a shared expert of width n_ff_shexp; n_rot rotated dims in IMRoPE sections; n_mtp MTP blocks.
+  int full_attn_every = 0, ssm_k_heads = 0, ssm_v_heads = 0, ssm_head = 0, conv = 0, n_ff_shexp = 0, n_rot = 0,
+      n_mtp = 0;
+  std::array<int, 4> sections{};
 };
 
 // Real shapes from the models' published configs (docs/models in the shared facts).
@@ -37,6 +44,16 @@ const std::map<std::string, std::map<std::string, Shape>>& presets() {
       {"qwen3",
        {{"0.6b", {28, 1024, 16, 8, 128, 151936, 40960, 3072, 0, 0, 0, 1e6f, true}},
         {"tiny", {2, 256, 4, 2, 32, 1024, 4096, 256, 0, 0, 0, 1e6f, false}}}},
+      // Qwen3.5/3.6-35B-A3B (docs/models.md): 40 layers, every 4th gated full attention (16/2 heads x 256,
+      // a quarter rotated, IMRoPE [11, 11, 10, 0], theta 1e7), DeltaNets of 16 key / 32 value heads x 128
+      // with a conv of 4, 256 experts (8 active) of 512 plus a shared one of 512, one MTP block.
+      // tiny: the shape of ../shared/testdata qwen35moe-tiny (no MTP), tiny-mtp with one MTP block.
+      {"qwen35moe",
+       {{"35b-a3b", {40, 2048, 16, 2, 256, 248320, 262144, 0, 256, 8, 512, 1e7f, false, 4, 16, 32, 128, 4, 512, 64, 1, {11, 11, 10, 0}}},
+        {"tiny", {2, 256, 4, 1, 64, 1024, 4096, 0, 4, 2, 64, 1e7f, false, 2, 2, 4, 64, 4, 64, 16, 0, {3, 3, 2, 0}}},
+        {"tiny-mtp", {2, 256, 4, 1, 64, 1024, 4096, 0, 4, 2, 64, 1e7f, false, 2, 2, 4, 64, 4, 64, 16, 1, {3, 3, 2, 0}}}}},
+      // Dense Qwen3.5: the tiny MoE shape with one SwiGLU FFN of 256 instead of the experts.
+      {"qwen35", {{"tiny", {2, 256, 4, 1, 64, 1024, 4096, 256, 0, 0, 0, 1e7f, false, 2, 2, 4, 64, 4, 0, 16, 0, {3, 3, 2, 0}}}}},
   };
   return p;
 }
@@ -56,7 +73,8 @@ DType fallback(DType t, int64_t ncols) {
   }
 }
 
-enum class Role { Norm, Router, Embedding, Output, AttnQ, AttnK, AttnV, AttnOut, FfnGate, FfnUp, FfnDown };
+// Const: a 1-D f32 tensor of one value (norms 1; DeltaNet ssm_a, dt bias); F32: a random f32 matrix.
+enum class Role { Norm, Router, Embedding, Output, AttnQ, AttnK, AttnV, AttnOut, FfnGate, FfnUp, FfnDown, Const, F32 };
 
 struct FileType {
   const char* name;
@@ -70,7 +88,7 @@ const FileType kFileTypes[] = {
 };
 
 DType pick_type(const FileType& ft, Role role, int layer, int n_layer, int64_t ncols, bool tied) {
-  if (role == Role::Norm || role == Role::Router) return DType::F32;
+  if (role == Role::Norm || role == Role::Router || role == Role::Const || role == Role::F32) return DType::F32;
   const std::string name = ft.name;
   DType t = ft.base;
   if (name == "q4_k_m") {
@@ -89,6 +107,7 @@ struct PlannedTensor {
   Role role;
   float stddev;
   std::vector<float> row_scale;  // router skew: per-row (expert) multiplier
+  float value = 1.0f;            // Norm / Const: every element
 };
 
 uint64_t mix(uint64_t a, uint64_t b) {
@@ -170,6 +189,82 @@ const char* kChatMLTemplate =
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
+// The tensors of qwen35 / qwen35moe, as the reference's converter writes them: per layer attn_norm and
+// post_attention_norm, the mixer (gated attention: attn_q of [q | gate] per head, attn_k, attn_v,
+// attn_output, q/k norms; DeltaNet: attn_qkv, attn_gate, ssm_conv1d, ssm_dt.bias, ssm_a, ssm_beta,
+// ssm_alpha, ssm_norm, ssm_out), then the FFN; the MTP block after the trunk.
+template <typename Add>
+void plan_qwen35(const Shape& s, std::vector<PlannedTensor>& plan, Add&& add, std::mt19937_64& rng, float router_skew) {
+  const int64_t E = s.n_embd, hd = s.head_dim;
+  const float in_sd = 1.0f / std::sqrt(static_cast<float>(E));
+  const int64_t key_dim = static_cast<int64_t>(s.ssm_k_heads) * s.ssm_head, value_dim = static_cast<int64_t>(s.ssm_v_heads) * s.ssm_head;
+  const int n_blocks = s.n_layer + s.n_mtp;
+  // The "more bits" rule for attn_v counts attention layers (the MTP block's included).
+  int n_attn = s.n_mtp, i_attn = 0;
+  for (int l = 0; l < s.n_layer; ++l) n_attn += (l + 1) % s.full_attn_every == 0;
+  auto attention = [&](const std::string& p, int l) {
+    add(p + "attn_q.weight", Role::AttnQ, l, {E, 2 * hd * s.n_head}, in_sd);
+    add(p + "attn_k.weight", Role::AttnK, l, {E, hd * s.n_head_kv}, in_sd);
+    add(p + "attn_v.weight", Role::AttnV, i_attn++, {E, hd * s.n_head_kv}, in_sd, n_attn);
+    add(p + "attn_output.weight", Role::AttnOut, l, {hd * s.n_head, E}, 1.0f / std::sqrt(static_cast<float>(hd * s.n_head)));
+    add(p + "attn_q_norm.weight", Role::Norm, l, {hd}, 0);
+    add(p + "attn_k_norm.weight", Role::Norm, l, {hd}, 0);
+  };
+  auto ffn = [&](const std::string& p, int l) {
+    if (s.n_expert) {
+      add(p + "ffn_gate_inp.weight", Role::Router, l, {E, s.n_expert}, in_sd);
+      if (router_skew > 0) {
+        std::vector<int> rank(static_cast<size_t>(s.n_expert));
+        std::iota(rank.begin(), rank.end(), 0);
+        std::shuffle(rank.begin(), rank.end(), rng);
+        auto& rs = plan.back().row_scale;
+        rs.resize(static_cast<size_t>(s.n_expert));
+        for (int e = 0; e < s.n_expert; ++e) rs[e] = 3.0f * std::pow(1.0f + rank[e], -router_skew);
+      }
+      add(p + "ffn_gate_exps.weight", Role::FfnGate, l, {E, s.n_ff_exp, s.n_expert}, in_sd);
+      add(p + "ffn_up_exps.weight", Role::FfnUp, l, {E, s.n_ff_exp, s.n_expert}, in_sd);
+      add(p + "ffn_down_exps.weight", Role::FfnDown, l, {s.n_ff_exp, E, s.n_expert}, 1.0f / std::sqrt(static_cast<float>(s.n_ff_exp)));
+      if (s.n_ff_shexp) {
+        add(p + "ffn_gate_inp_shexp.weight", Role::F32, l, {E, 1}, in_sd);
+        add(p + "ffn_gate_shexp.weight", Role::FfnGate, l, {E, s.n_ff_shexp}, in_sd);
+        add(p + "ffn_up_shexp.weight", Role::FfnUp, l, {E, s.n_ff_shexp}, in_sd);
+        add(p + "ffn_down_shexp.weight", Role::FfnDown, l, {s.n_ff_shexp, E}, 1.0f / std::sqrt(static_cast<float>(s.n_ff_shexp)));
+      }
+    } else {
+      add(p + "ffn_gate.weight", Role::FfnGate, l, {E, s.n_ff}, in_sd);
+      add(p + "ffn_up.weight", Role::FfnUp, l, {E, s.n_ff}, in_sd);
+      add(p + "ffn_down.weight", Role::FfnDown, l, {s.n_ff, E}, 1.0f / std::sqrt(static_cast<float>(s.n_ff)));
+    }
+  };
+  for (int l = 0; l < n_blocks; ++l) {
+    const std::string p = "blk." + std::to_string(l) + ".";
+    add(p + "attn_norm.weight", Role::Norm, l, {E}, 0);
+    add(p + "post_attention_norm.weight", Role::Norm, l, {E}, 0);
+    if (l >= s.n_layer) {  // the MTP block: its projection of [embedding | hidden], its norms
+      add(p + "nextn.eh_proj.weight", Role::AttnQ, l, {2 * E, E}, 1.0f / std::sqrt(static_cast<float>(2 * E)));
+      add(p + "nextn.enorm.weight", Role::Norm, l, {E}, 0);
+      add(p + "nextn.hnorm.weight", Role::Norm, l, {E}, 0);
+      add(p + "nextn.shared_head_norm.weight", Role::Norm, l, {E}, 0);
+      attention(p, l);
+    } else if ((l + 1) % s.full_attn_every == 0) {
+      attention(p, l);
+    } else {
+      add(p + "attn_qkv.weight", Role::AttnQ, l, {E, 2 * key_dim + value_dim}, in_sd);
+      add(p + "attn_gate.weight", Role::AttnQ, l, {E, value_dim}, in_sd);
+      add(p + "ssm_conv1d.weight", Role::F32, l, {s.conv, 2 * key_dim + value_dim}, 0.5f);
+      add(p + "ssm_dt.bias", Role::Const, l, {s.ssm_v_heads}, 0);
+      plan.back().value = 0.0f;
+      add(p + "ssm_a", Role::Const, l, {s.ssm_v_heads}, 0);
+      plan.back().value = -1.0f;  // -exp(A_log) with A_log 0: a decay of about exp(-softplus(alpha))
+      add(p + "ssm_beta.weight", Role::AttnQ, l, {E, s.ssm_v_heads}, in_sd);
+      add(p + "ssm_alpha.weight", Role::AttnQ, l, {E, s.ssm_v_heads}, in_sd);
+      add(p + "ssm_norm.weight", Role::Norm, l, {s.ssm_head}, 0);
+      add(p + "ssm_out.weight", Role::AttnOut, l, {value_dim, E}, 1.0f / std::sqrt(static_cast<float>(value_dim)));
+    }
+    ffn(p, l);
+  }
+}
+
 }  // namespace
 
 std::vector<std::string> synthetic_presets(const std::string& arch) {
@@ -183,7 +278,7 @@ std::vector<std::string> synthetic_presets(const std::string& arch) {
 SyntheticSummary write_synthetic_model(const SyntheticSpec& spec, const std::string& path, ThreadPool& pool,
                                        const std::function<void(uint64_t, uint64_t)>& progress) {
   auto arch_it = presets().find(spec.arch);
-  if (arch_it == presets().end()) throw Error("gen-model: unknown architecture '" + spec.arch + "' (qwen3moe, qwen3)");
+  if (arch_it == presets().end()) throw Error("gen-model: unknown architecture '" + spec.arch + "' (qwen3moe, qwen3, qwen35moe, qwen35)");
   auto pre_it = arch_it->second.find(spec.preset);
   if (pre_it == arch_it->second.end()) {
     std::string list;
@@ -201,7 +296,8 @@ SyntheticSummary write_synthetic_model(const SyntheticSpec& spec, const std::str
     throw Error("gen-model: --layers " + std::to_string(spec.layers) + " is more than the " + spec.preset + " preset's " +
                 std::to_string(full_layers) + " layers");
   if (spec.layers > 0) s.n_layer = spec.layers;
-  const bool moe = spec.arch == "qwen3moe";
+  const bool q35 = spec.arch == "qwen35moe" || spec.arch == "qwen35";
+  const bool moe = spec.arch == "qwen3moe" || spec.arch == "qwen35moe";
   if (spec.router_skew != 0 && !moe) throw Error("gen-model: --router-skew needs an MoE architecture");
   if (spec.router_skew < 0) throw Error("gen-model: --router-skew must be >= 0");
 
@@ -215,10 +311,10 @@ SyntheticSummary write_synthetic_model(const SyntheticSpec& spec, const std::str
   w.set_bool("fitmoe.synthetic", true);
   w.set_u64("fitmoe.synthetic.seed", spec.seed);
   w.set_f32("fitmoe.synthetic.router_skew", spec.router_skew);
-  w.set_u32(a + "block_count", s.n_layer);
+  w.set_u32(a + "block_count", s.n_layer + s.n_mtp);
   w.set_u32(a + "context_length", s.n_ctx);
   w.set_u32(a + "embedding_length", s.n_embd);
-  w.set_u32(a + "feed_forward_length", s.n_ff);
+  if (s.n_ff) w.set_u32(a + "feed_forward_length", s.n_ff);
   w.set_u32(a + "attention.head_count", s.n_head);
   w.set_u32(a + "attention.head_count_kv", s.n_head_kv);
   w.set_u32(a + "attention.key_length", s.head_dim);
@@ -238,6 +334,20 @@ SyntheticSummary write_synthetic_model(const SyntheticSpec& spec, const std::str
     w.set_bool("tokenizer.ggml.add_bos_token", false);
     w.set_string("tokenizer.chat_template", kChatMLTemplate);
   }
+  if (q35) {
+    // As the reference's converter names them: key heads = group_count, value heads = time_step_rank,
+    // key width = state_size, value width = inner_size / value heads.
+    w.set_u32(a + "rope.dimension_count", s.n_rot);
+    w.set_i32_array(a + "rope.dimension_sections", std::vector<int32_t>(s.sections.begin(), s.sections.end()));
+    w.set_u32(a + "ssm.conv_kernel", s.conv);
+    w.set_u32(a + "ssm.state_size", s.ssm_head);
+    w.set_u32(a + "ssm.group_count", s.ssm_k_heads);
+    w.set_u32(a + "ssm.time_step_rank", s.ssm_v_heads);
+    w.set_u32(a + "ssm.inner_size", s.ssm_v_heads * s.ssm_head);
+    w.set_u32(a + "full_attention_interval", s.full_attn_every);
+    if (s.n_ff_shexp) w.set_u32(a + "expert_shared_feed_forward_length", s.n_ff_shexp);
+    if (s.n_mtp) w.set_u32(a + "nextn_predict_layers", s.n_mtp);
+  }
   if (moe) {
     w.set_u32(a + "expert_count", s.n_expert);
     w.set_u32(a + "expert_used_count", s.n_expert_used);
@@ -246,8 +356,10 @@ SyntheticSummary write_synthetic_model(const SyntheticSpec& spec, const std::str
 
   // Plan every tensor: name, type by the mix rules, shape, and the spread of its random values.
   std::vector<PlannedTensor> plan;
-  auto add = [&](const std::string& name, Role role, int layer, std::vector<int64_t> ne, float sd) {
-    DType t = pick_type(*ft, role, layer, s.n_layer, ne[0], s.tied);
+  // rule_n: the count the "more bits" rule divides by (default the layers; qwen35's attn_v counts the
+  // attention layers only, as the reference's quantizer does).
+  auto add = [&](const std::string& name, Role role, int layer, std::vector<int64_t> ne, float sd, int rule_n = -1) {
+    DType t = pick_type(*ft, role, layer, rule_n >= 0 ? rule_n : s.n_layer + s.n_mtp, ne[0], s.tied);
     if (ne.size() == 1) t = DType::F32;
     plan.push_back({name, t, std::move(ne), role, sd, {}});
   };
@@ -256,7 +368,9 @@ SyntheticSummary write_synthetic_model(const SyntheticSpec& spec, const std::str
   add("token_embd.weight", Role::Embedding, 0, {E, s.n_vocab}, 1.0f);
   std::mt19937_64 rng(spec.seed);
   std::ostringstream popularity;
-  for (int l = 0; l < s.n_layer; ++l) {
+  if (q35) {
+    plan_qwen35(s, plan, add, rng, spec.router_skew);
+  } else for (int l = 0; l < s.n_layer; ++l) {
     const std::string p = "blk." + std::to_string(l) + ".";
     add(p + "attn_norm.weight", Role::Norm, l, {E}, 0);
     add(p + "attn_q.weight", Role::AttnQ, l, {E, hd * s.n_head}, in_sd);
@@ -320,11 +434,11 @@ SyntheticSummary write_synthetic_model(const SyntheticSpec& spec, const std::str
   auto fill = [&](size_t ti, uint64_t off, uint8_t* buf, size_t len) {
     const PlannedTensor& t = plan[ti];
     const size_t rb = row_bytes(t.type, t.ne[0]);
-    if (t.role == Role::Norm) {
-      // Norm weights are ones; the bytes of a 1-D f32 tensor of 1.0f.
+    if (t.role == Role::Norm || t.role == Role::Const) {
+      // Norm weights are ones (constants their value): the bytes of a 1-D f32 tensor of that value.
       for (size_t i = 0; i < len; i += 4) {
-        float one = 1.0f;
-        std::memcpy(buf + i, &one, std::min<size_t>(4, len - i));
+        const float val = t.value;
+        std::memcpy(buf + i, &val, std::min<size_t>(4, len - i));
       }
       return;
     }
@@ -363,6 +477,13 @@ SyntheticSummary write_synthetic_model(const SyntheticSpec& spec, const std::str
   d << spec.arch << " " << spec.preset << " shape, " << s.n_layer << (s.n_layer != full_layers ? " of " + std::to_string(full_layers) : "")
     << " layers, n_embd " << s.n_embd << ", vocab " << s.n_vocab;
   if (moe) d << ", " << s.n_expert << " experts (" << s.n_expert_used << " active) of width " << s.n_ff_exp;
+  if (s.n_ff_shexp) d << " + a shared expert of " << s.n_ff_shexp;
+  if (q35) {
+    int n_full = 0;
+    for (int l = 0; l < s.n_layer; ++l) n_full += (l + 1) % s.full_attn_every == 0;
+    d << "\nlayers: " << s.n_layer - n_full << " Gated DeltaNet + " << n_full << " gated full attention (one in "
+      << s.full_attn_every << ")" << (s.n_mtp ? ", + 1 MTP block" : "");
+  }
   d << "\ntype mix " << ft->name << ":";
   for (auto& [name, b] : by_type) d << " " << name << " " << (b >> 20) << " MiB;";
   d << "\n" << popularity.str();

@@ -12,8 +12,9 @@ namespace fitmoe {
 class ThreadPool;
 
 struct SyntheticSpec {
-  std::string arch = "qwen3moe";   // qwen3moe | qwen3
-  std::string preset = "tiny";     // qwen3moe: 30b-a3b | tiny; qwen3: 0.6b | tiny
+  std::string arch = "qwen3moe";   // qwen3moe | qwen3 | qwen35moe | qwen35
+  std::string preset = "tiny";     // qwen3moe: 30b-a3b | tiny | tiny-wide; qwen3: 0.6b | tiny;
+                                   // qwen35moe: 35b-a3b | tiny | tiny-mtp; qwen35: tiny
   std::string type = "q4_k_m";     // q4_k_m | q6_k | q8_0 | q4_0 | f16 | bf16 | f32
   int layers = 0;                  // 0: the preset's; else cut to this many layers (full width kept)
   float router_skew = 0.0f;        // 0: uniform routing; > 0: Zipf-like expert popularity
