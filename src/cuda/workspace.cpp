@@ -1,0 +1,189 @@
+#include "cuda/workspace.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "runtime/error.h"
+
+namespace fitmoe::gpu {
+
+KvCache::KvCache(DeviceMemory& mem, const ModelConfig& c, int n_ctx, DType kv_type) : type(kv_type), mem_(mem) {
+  if (type != DType::F16 && type != DType::F32)
+    throw Error(std::string("KV cache type ") + dtype_name(type) + " is not supported (use f16 or f32)");
+  const size_t es = type == DType::F16 ? 2 : 4;
+  k_bytes = static_cast<size_t>(n_ctx) * c.n_head_kv * c.head_dim * es;
+  v_bytes = static_cast<size_t>(n_ctx) * c.n_head_kv * c.head_dim_v * es;
+  for (int l = 0; l < c.n_layer; ++l) {
+    auto* k = static_cast<uint8_t*>(mem.alloc(k_bytes, "KV cache"));
+    auto* v = static_cast<uint8_t*>(mem.alloc(v_bytes, "KV cache"));
+    gpu::memset_async(k, 0, k_bytes, nullptr);
+    gpu::memset_async(v, 0, v_bytes, nullptr);
+    layers.push_back({type, k, v, n_ctx});
+  }
+  gpu::sync_stream(nullptr);  // the zeroing ran on the default stream; finish it before any use
+}
+
+KvCache::~KvCache() {
+  for (auto& k : layers) {
+    mem_.free(k.k);
+    mem_.free(k.v);
+  }
+}
+
+Workspace::~Workspace() {
+  for (void* p : owned_) mem_.free(p);
+  for (void* p : pinned_) gpu::free_pinned(p);
+  for (int i = 0; i < kPrefillStageSlots; ++i)
+    for (void* e : {ev_free[i], ev_filled[i]})
+      if (e) gpu::destroy_event(e);
+  if (copy_stream) gpu::destroy_stream(copy_stream);
+}
+
+void* Workspace::dev_bytes(size_t n, const char* what) {
+  void* p = mem_.alloc(n, what);
+  owned_.push_back(p);
+  return p;
+}
+
+void* Workspace::host_bytes(size_t bytes) {
+  void* p = gpu::alloc_pinned(std::max<size_t>(bytes, 64));
+  pinned_.push_back(p);
+  return p;
+}
+
+void DecodeGraphs::clear() {
+  for (void* g : graphs)
+    if (g) gpu::destroy_graph(g);
+  graphs.clear();
+}
+
+GpuState::GpuState(Engine& e, const StateOptions& opt, const WorkspaceShape& shape)
+    : kv(e.mem, e.c, opt.n_ctx, opt.kv_type), ws(e.mem) {
+  n_ctx_ = opt.n_ctx;
+  WorkspaceShape s = shape;
+  s.n_ctx = opt.n_ctx;
+  ws.allocate(e, s);
+}
+
+// Sizes mirrored by the plan (gpu_scratch_bytes in src/runtime/plan.cpp).
+void Workspace::allocate(Engine& eng, const WorkspaceShape& shape) {
+  const ModelConfig& c = eng.c;
+  void* const stream = eng.stream;
+  ub = shape.ubatch;
+  const int U = ub, E = std::max(c.n_expert, 1), k = std::max(c.n_expert_used, 1);
+  const int64_t n = c.n_embd, qw = static_cast<int64_t>(c.n_head) * c.head_dim,
+                kw = static_cast<int64_t>(c.n_head_kv) * c.head_dim, vw = static_cast<int64_t>(c.n_head_kv) * c.head_dim_v,
+                aw = static_cast<int64_t>(c.n_head) * c.head_dim_v;
+  const int64_t ff = std::max<int64_t>({c.n_ff_exp, c.n_ff, 1});
+  const int64_t slots = c.n_expert ? static_cast<int64_t>(U) * k : U;
+  x = dev_floats(U * n, "activations");
+  xn = dev_floats(U * n, "activations");
+  q = dev_floats(U * qw, "activations");
+  this->k = dev_floats(U * kw, "activations");
+  v = dev_floats(U * vw, "activations");
+  att = dev_floats(U * aw, "activations");
+  y = dev_floats(U * n, "activations");
+  y_attn = dev_floats(U * n, "activations");
+  rlogits = dev_floats(U * E, "activations");
+  wts = dev_floats(slots, "activations");
+  g = dev_floats(slots * ff, "activations");
+  u = dev_floats(slots * ff, "activations");
+  ey = dev_floats(slots * n, "activations");
+  xg = dev_floats(U * n, "activations");
+  logits = dev_floats(static_cast<size_t>(std::min(U, 64)) * c.n_vocab, "logits");
+  ids = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * slots, "activations"));
+  pos = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * U, "activations"));
+  tokens = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * U, "activations"));
+  idx_a = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * slots, "activations"));
+  idx_b = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * slots, "activations"));
+  // act_row[j] = j / k (slot -> token) and ident[j] = j, constant.
+  std::vector<int32_t> rows(static_cast<size_t>(slots)), identity(static_cast<size_t>(slots));
+  for (int64_t j = 0; j < slots; ++j) rows[j] = static_cast<int32_t>(j / k), identity[j] = static_cast<int32_t>(j);
+  act_row = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * slots, "activations"));
+  ey_host = dev_floats(std::min<int64_t>(slots, static_cast<int64_t>(gpu::kMaxVecTokens) * k) * n, "activations");
+  ident = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * slots, "activations"));
+  route_done = static_cast<unsigned*>(dev_bytes(sizeof(unsigned), "activations"));
+  gpu::memset_async(route_done, 0, sizeof(unsigned), stream);
+  gpu::copy_h2d(act_row, rows.data(), sizeof(int32_t) * slots, stream);
+  gpu::copy_h2d(ident, identity.data(), sizeof(int32_t) * slots, stream);
+  // Activations in the weights' formats, for the matrix-vector path only (micro-batches of at most
+  // kMaxVecTokens tokens); the widest row set is the experts' slots.
+  const int64_t vec_tokens = std::min<int64_t>(U, gpu::kMaxVecTokens);
+  const int64_t vec_rows = c.n_expert ? vec_tokens * k : vec_tokens;
+  int64_t widest = std::max<int64_t>({n, qw, aw, ff});
+  acts_bytes = gpu::act_bytes(DType::F32, widest, static_cast<int>(vec_rows));
+  acts = dev_bytes(acts_bytes, "activations");
+  if (n % 256 == 0) xn_q = dev_bytes(row_bytes(DType::Q8_K, n) * vec_tokens, "activations");
+  dequant_bytes = 64u << 20;
+  dequant = dev_bytes(dequant_bytes, "dequantized weight tiles");
+  attn_scratch_bytes = gpu::attention_scratch_bytes(U, shape.n_ctx, c.n_head, c.head_dim_v);
+  attn_scratch = dev_bytes(attn_scratch_bytes, "attention scratch");
+  gpu::memset_async(attn_scratch, 0, attn_scratch_bytes, stream);  // its counters start at zero
+  if ((static_cast<int64_t>(c.n_head) * c.head_dim_v) % 256 == 0)
+    att_q = dev_bytes(row_bytes(DType::Q8_K, aw) * vec_tokens, "activations");
+  // The upload ring for host experts streamed during prefill (sized as the plan assumed).
+  if (c.n_expert) {
+    stage_bytes = shape.expert_bytes * eng.chunk_experts;
+    if (shape.host_experts)
+      for (int b = 0; b < kPrefillStageSlots; ++b) {
+        stage[b] = dev_bytes(stage_bytes, "expert upload staging");
+        ev_free[b] = gpu::create_event();
+        ev_filled[b] = gpu::create_event();
+        gpu::record_event(ev_free[b], stream);  // every buffer starts free
+      }
+    offsets = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * (E + 1), "routing tables"));
+    copy_stream = gpu::create_stream();
+  }
+  h_x = host<float>(static_cast<size_t>(U) * n);
+  h_xn = host<float>(static_cast<size_t>(U) * n);
+  h_wts = host<float>(slots);
+  h_ids = host<int32_t>(slots);
+  h_ey = host<float>(static_cast<size_t>(slots) * n);
+  h_ey_slots = host<float>(static_cast<size_t>(vec_rows) * n);
+  h_pos = host<int32_t>(U);
+  h_idx = host<int32_t>(2 * slots + E + 2);
+  // Host-side products (weights the plan left on the host): logits come in slices of 64 rows.
+  h_out = host<float>(std::max<size_t>(static_cast<size_t>(64) * c.n_vocab,
+                                       static_cast<size_t>(U) * std::max<int64_t>({qw, aw, n, ff, E})));
+  h_flags = host<unsigned>(c.n_layer);
+  std::memset(h_flags, 0, sizeof(unsigned) * c.n_layer);
+  flags_dev = static_cast<const unsigned*>(gpu::device_view(h_flags));
+  ey_slots_dev = static_cast<const float*>(gpu::device_view(h_ey_slots));
+  h_epoch = host<unsigned>(1);
+  epoch_dev = static_cast<unsigned*>(dev_bytes(sizeof(unsigned), "activations"));
+  h_route_flags = host<unsigned>(c.n_layer);
+  std::memset(h_route_flags, 0, sizeof(unsigned) * c.n_layer);
+  route_flags_dev = static_cast<unsigned*>(gpu::device_view(h_route_flags));
+  route_pub.ids = static_cast<int32_t*>(gpu::device_view(h_ids));
+  route_pub.x = static_cast<float*>(gpu::device_view(h_xn));
+  route_pub.epoch = epoch_dev;
+  gpu_slots = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * vec_rows, "routing tables"));
+  h_gpu_slots = host<int32_t>(vec_rows);
+  route_pub.gpu_slots = gpu_slots;
+  route_pub.host_gpu_slots = static_cast<int32_t*>(gpu::device_view(h_gpu_slots));
+  route_pub.k = c.n_expert_used;
+  route_pub.n_expert = c.n_expert;
+  if (c.n_expert) {
+    xp = dev_floats(n, "activations");
+    plogits = dev_floats(E, "activations");
+    pwts = dev_floats(k, "activations");
+    pids = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * k, "activations"));
+    pred_done = static_cast<unsigned*>(dev_bytes(sizeof(unsigned), "activations"));
+    gpu::memset_async(pred_done, 0, sizeof(unsigned), stream);
+    h_pred_ids = host<int32_t>(static_cast<size_t>(c.n_layer) * k);
+    h_pred_flags = host<unsigned>(c.n_layer);
+    std::memset(h_pred_flags, 0, sizeof(unsigned) * c.n_layer);
+    pred_pub.ids = static_cast<int32_t*>(gpu::device_view(h_pred_ids));
+    pred_pub.flag = static_cast<unsigned*>(gpu::device_view(h_pred_flags));
+    pred_pub.epoch = epoch_dev;
+  }
+  if (eng.host_prof.on) {
+    h_stamps = host<unsigned long long>(2 * static_cast<size_t>(c.n_layer));
+    std::memset(h_stamps, 0, sizeof(unsigned long long) * 2 * c.n_layer);
+    stamps_dev = static_cast<unsigned long long*>(gpu::device_view(h_stamps));
+  }
+  gpu::sync_stream(stream);
+}
+
+}  // namespace fitmoe::gpu
