@@ -11,9 +11,10 @@
 namespace fitmoe::test {
 
 struct Kv {
-  std::string key, type;  // type: "s" string, "f" f32, "u" u32
+  std::string key, type;  // type: "s" string, "f" f32, "u" u32, "ab" bool array
   std::string s;
   double v = 0;
+  std::vector<bool> bools = {};
 };
 
 // A copy of a GGUF with `extra` metadata set (or replaced); the tensors are copied byte for byte.
@@ -56,6 +57,7 @@ inline void write_with(const std::string& src, const std::string& dst, const std
   for (const Kv& e : extra) {
     if (e.type == "s") w.set_string(e.key, e.s);
     else if (e.type == "f") w.set_f32(e.key, static_cast<float>(e.v));
+    else if (e.type == "ab") w.set_bool_array(e.key, e.bools);
     else w.set_u32(e.key, static_cast<uint32_t>(e.v));
   }
   for (const auto& t : f->tensors())

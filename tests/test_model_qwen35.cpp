@@ -230,7 +230,7 @@ TEST(Qwen35BadFile, OneLineErrorNamingTheProblem) {
     std::vector<test::Kv> kv;
     std::string expect;
   };
-  const std::vector<Bad> bad = {
+  std::vector<Bad> bad = {
       {{{"qwen35moe.attention.head_count", "u", "", 8}}, "tensor blk.1.attn_q.weight has shape"},
       {{{"qwen35moe.ssm.group_count", "u", "", 3}}, "must be a multiple of key heads"},
       {{{"qwen35moe.ssm.time_step_rank", "u", "", 2}}, "must equal the value width"},
@@ -241,6 +241,10 @@ TEST(Qwen35BadFile, OneLineErrorNamingTheProblem) {
        "layer 1 has full-attention tensors, but the layer pattern (full_attention_interval 3) makes it a DeltaNet layer"},
       {{{"qwen35moe.ssm.conv_kernel", "u", "", 3}}, "tensor blk.0.ssm_conv1d.weight has shape"},
   };
+  test::Kv order{"qwen35moe.attention.recurrent_layers", "ab", "", 0, {false, true}};
+  bad.push_back({{order}, "layer 0 has DeltaNet tensors, but the layer pattern (attention.recurrent_layers) makes it a full-attention layer"});
+  test::Kv too_short{"qwen35moe.attention.recurrent_layers", "ab", "", 0, {true}};
+  bad.push_back({{too_short}, "attention.recurrent_layers must list 2 layers"});
   for (const Bad& b : bad) {
     test::write_with(src, tmp, b.kv);
     try {
@@ -254,6 +258,13 @@ TEST(Qwen35BadFile, OneLineErrorNamingTheProblem) {
       EXPECT_EQ(m.find('\n'), std::string::npos) << m;
     }
   }
+  // The explicit list, when right, is the same model as the interval.
+  test::write_with(src, tmp, {{"qwen35moe.attention.recurrent_layers", "ab", "", 0, {true, false}}});
+  LoadOptions lo;
+  lo.plan.use_gpu = false;
+  auto listed = Model::load(tmp, lo);
+  EXPECT_EQ(listed->config().recurrent_layers, (std::vector<bool>{true, false}));
+  EXPECT_EQ(listed->config().full_attention_interval, 0);
   std::filesystem::remove(tmp);
 }
 
