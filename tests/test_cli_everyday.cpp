@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -123,4 +125,30 @@ TEST(CliEveryday, RandomSeedIsPrintedAndRepeats) {
   const unsigned long long seed = std::stoull(r.err.substr(r.err.find_first_of("0123456789", at)));
   auto again = run("run -m " + model() + " --tokens 1,2 -n 4 --temp 1 --seed " + std::to_string(seed));
   EXPECT_EQ(again.out, r.out);
+}
+
+TEST(CliEveryday, PlanSaysWhereItsMachineProfileCameFromAndRemeasuresAnother) {
+  // The profile is cached per machine; a cache written for another machine (another key) is not used.
+  const std::string dir = tmp("cache");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir + "/fitmoe");
+  const char* old = std::getenv("XDG_CACHE_HOME");
+  const std::string saved = old ? old : "";
+  setenv("XDG_CACHE_HOME", dir.c_str(), 1);
+  {
+    std::ofstream f(dir + "/fitmoe/machine.json");
+    f << R"({"v3|some other cpu|64 threads|avx2|1024 GiB|none": {"host_mem_bw": 1e15, "cpu_decode_bw": 1e15}})";
+  }
+  auto a = run("plan -m " + model() + " --gpu none");
+  auto b = run("plan -m " + model() + " --gpu none");
+  if (old) setenv("XDG_CACHE_HOME", saved.c_str(), 1); else unsetenv("XDG_CACHE_HOME");
+  ASSERT_EQ(a.code, 0) << a.err;
+  EXPECT_TRUE(has(a.out, "[measured now]")) << a.out;
+  EXPECT_FALSE(has(a.out, "1000000 GB/s")) << a.out;  // the other machine's figures are not this one's
+  EXPECT_TRUE(has(b.out, ", cached in " + dir + "/fitmoe/machine.json]")) << b.out;
+  EXPECT_TRUE(has(b.out, "their kernels: decode ")) << b.out;
+  std::ifstream f(dir + "/fitmoe/machine.json");
+  std::stringstream all;
+  all << f.rdbuf();
+  EXPECT_TRUE(has(all.str(), "some other cpu")) << "the other machine's entry is kept";
 }

@@ -275,3 +275,41 @@ TEST(Machine, HugePageBytesOfAMapping) {
   EXPECT_FALSE(huge_page_policy().empty());
   munmap(raw, 2 * n + huge2m);
 }
+
+TEST(Plan, CpuRateIsInterpolatedBetweenMeasuredWidths) {
+  MachineProfile m;
+  m.cpu_int8_flops = 7e9;
+  EXPECT_DOUBLE_EQ(cpu_matmul_rate(m, 8), 7e9);  // no measured widths: the one rate
+  m.cpu_matmul_flops[0] = 1e9, m.cpu_matmul_flops[1] = 8e9, m.cpu_matmul_flops[2] = 64e9;
+  EXPECT_NEAR(cpu_matmul_rate(m, 1), 1e9, 1e3);
+  EXPECT_NEAR(cpu_matmul_rate(m, 8), 8e9, 1e4);
+  EXPECT_NEAR(cpu_matmul_rate(m, 64), 64e9, 1e5);
+  EXPECT_NEAR(cpu_matmul_rate(m, 4), 4e9, 1e4);     // log-linear: rate proportional to width here
+  EXPECT_NEAR(cpu_matmul_rate(m, 512), 64e9, 1e5);  // flat beyond the widest measured
+  EXPECT_NEAR(cpu_matmul_rate(m, 0.25), 1e9, 1e3);
+}
+
+TEST(Plan, CpuPredictionFollowsTheCpuKernelsRates) {
+  // CPU only: generation scales with the one-token kernel's rate over RAM, prompt with the batch rates;
+  // the output head is charged once per batch, not per prompt token.
+  auto predict = [](double decode_bw, double flops) {
+    MachineProfile m = reference_consumer_machine(0);
+    m.cpu_decode_bw = decode_bw;
+    m.host_mem_bw = 50e9;
+    m.cpu_matmul_flops[0] = flops / 8, m.cpu_matmul_flops[1] = flops / 2, m.cpu_matmul_flops[2] = flops;
+    LoadOptions lo;
+    lo.plan.use_gpu = false;
+    lo.plan_only = true;
+    lo.use_mmap = true;
+    lo.machine = &m;
+    return Model::load(tiny(), lo)->plan();
+  };
+  const Plan a = predict(10e9, 100e9), b = predict(5e9, 100e9), c = predict(10e9, 50e9);
+  EXPECT_GT(a.predicted_tg, 1.6 * b.predicted_tg);
+  EXPECT_LT(a.predicted_tg, 2.0 * b.predicted_tg + 1e-9);
+  EXPECT_NEAR(a.predicted_tg, c.predicted_tg, 1e-9);  // decode does not depend on the batch rate
+  EXPECT_GT(a.predicted_pp, 1.6 * c.predicted_pp);
+  // The tiny model's head (1024 x 256) is a third of its weights: charged per prompt token at the
+  // one-token rate (flops / 8 here) it alone would bound the prompt below this; once per batch it does not.
+  EXPECT_GT(a.predicted_pp, 100e9 / 8 / (2.0 * 1024 * 256));
+}

@@ -18,6 +18,9 @@
 #include "quant/kernels.h"
 #include "runtime/error.h"
 #include "runtime/machine.h"
+#if FITMOE_CUDA
+#include "cuda/process_memory.h"
+#endif
 
 namespace fitmoe::cli {
 
@@ -372,6 +375,15 @@ void register_bench(CLI::App& app) {
                    static_cast<double>(gs.guessed) / gs.layer_steps, 100.0 * guess_rate,
                    human_bytes(prefetch_per_layer).c_str());
 
+    // A --vram budget is for the whole process: what the driver counts for it after every test ran
+    // (weights, KV, scratch, graphs, the runtime), next to the budget.
+    int64_t process_gpu = -1;
+#if FITMOE_CUDA
+    if (model->on_gpu()) process_gpu = gpu::process_device_bytes();
+    if (process_gpu > 0)
+      std::fprintf(stderr, "GPU memory of this process as the driver counts it: %lld MiB (budget %llu MiB)\n",
+                   static_cast<long long>(process_gpu >> 20), static_cast<unsigned long long>(plan.budget >> 20));
+#endif
     if (format != "md") {
       std::string overrides;
       for (auto& o : a->model.overrides) overrides += (overrides.empty() ? "" : ";") + o;
@@ -435,8 +447,13 @@ void register_bench(CLI::App& app) {
         o["plan"] = plan.summary_line();
         o["routing_guesses_chosen"] = guess_rate;
         o["prefetched_bytes_per_layer_step"] = prefetch_per_layer;
+        // The plan's prediction for this kind of test (prompt: at the plan's batch), to hold it to the measurement.
+        o["predicted_ts"] = r.n_gen ? plan.predicted_tg : plan.predicted_pp;
         o["machine"] = {{"host_mem_bw", plan.machine.host_mem_bw}, {"pcie_bw", plan.machine.pcie_bw},
-                        {"gpu_mem_bw", plan.machine.gpu_mem_bw}, {"cpu_int8_flops", plan.machine.cpu_int8_flops}};
+                        {"gpu_mem_bw", plan.machine.gpu_mem_bw}, {"cpu_int8_flops", plan.machine.cpu_int8_flops},
+                        {"cpu_decode_bw", plan.machine.cpu_decode_bw}, {"source", plan.machine.source}};
+        if (process_gpu > 0) o["gpu_process_mib"] = process_gpu >> 20;  // the driver's count, after all tests
+        if (model->on_gpu()) o["gpu_budget_mib"] = plan.budget >> 20;
         rows.push_back(std::move(o));
       }
       if (format == "json") {

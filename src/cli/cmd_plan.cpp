@@ -27,6 +27,8 @@ void register_plan(CLI::App& app) {
       MachineProfile c = reference_consumer_machine(lo.plan.vram_budget);
       c.host_mem_bw = m.host_mem_bw > 0 ? m.host_mem_bw : c.host_mem_bw;
       c.cpu_int8_flops = m.cpu_int8_flops > 0 ? m.cpu_int8_flops : c.cpu_int8_flops;
+      c.cpu_decode_bw = m.cpu_decode_bw;
+      std::copy(m.cpu_matmul_flops, m.cpu_matmul_flops + 3, c.cpu_matmul_flops);
       c.cpu_threads = m.cpu_threads;
       m = c;
     }

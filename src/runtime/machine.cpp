@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <cmath>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -15,10 +17,12 @@
 #include <nlohmann/json.hpp>
 
 #include "quant/kernels.h"
+#include "runtime/plan.h"
 #include "runtime/thread_pool.h"
 
 #if FITMOE_CUDA
 #include "cuda/device.h"
+#include "cuda/process_memory.h"
 #endif
 
 namespace fitmoe {
@@ -65,6 +69,69 @@ double measure_host_bw(ThreadPool& pool) {
   return best;
 }
 
+// The CPU's own kernels (src/quant) on this machine, with every thread of the pool: a one-token product
+// over a Q4_K matrix far larger than any cache (decode: bytes/s, RAM and kernel together), and products
+// of 1, 8 and 64 tokens over a cache-sized one (prefill, whose MoE gives each expert a few tokens of the
+// batch: int8 FLOP/s at each width). Q4_K because it is most of a Q4_K_M file's bytes.
+void measure_cpu_kernels(ThreadPool& pool, MachineProfile& m) {
+  const int64_t cols = 2048;
+  const size_t rb = row_bytes(DType::Q4_K, cols);
+  const auto& kern = quant::kernels_for(DType::Q4_K);
+  const DType act = kern.act_type;
+  const size_t act_stride = row_bytes(act, cols);
+  std::vector<float> x(64 * cols);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.37f * static_cast<float>(i));
+  std::vector<uint8_t> acts(64 * act_stride);
+  auto quantize = quant::quantize_act_fn(act);
+  for (int t = 0; t < 64; ++t) quantize(x.data() + t * cols, acts.data() + t * act_stride, cols);
+  // Rows per work item as the forward's tiling gives one thread at a time (cpu_ops.cpp): 64.
+  auto run = [&](const uint8_t* w, int64_t rows, int nc, float* out) {
+    pool.parallel_for((rows + 63) / 64, 1, [&](int64_t b, int64_t e, int) {
+      for (int64_t blk = b; blk < e; ++blk) {
+        const int64_t r0 = blk * 64;
+        const int nr = static_cast<int>(std::min<int64_t>(64, rows - r0));
+        kern.matmul_tile(cols, w + r0 * rb, rb, nr, acts.data(), act_stride, nc, out + r0, static_cast<size_t>(rows));
+      }
+    });
+  };
+  {
+    const int64_t rows = (64 << 20) / static_cast<int64_t>(rb);
+    const size_t n = static_cast<size_t>(rows) * rb;
+    void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return;
+    madvise(p, n, MADV_HUGEPAGE);  // as the weights' copy (model.cpp)
+    quant::fill_random_rows(DType::Q4_K, p, rows, cols, 0.02f, 1);
+    std::vector<float> out(rows);
+    double best = 1e30;
+    for (int rep = 0; rep < 4; ++rep) {
+      auto t0 = std::chrono::steady_clock::now();
+      run(static_cast<const uint8_t*>(p), rows, 1, out.data());
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    munmap(p, n);
+    m.cpu_decode_bw = static_cast<double>(n) / best;
+  }
+  {
+    const int64_t rows = 512;  // 0.6 MB: one expert's matrix of a 30B-A3B model is about as large
+    std::vector<uint8_t> w(static_cast<size_t>(rows) * rb);
+    quant::fill_random_rows(DType::Q4_K, w.data(), rows, cols, 0.02f, 2);
+    std::vector<float> out(64 * rows);
+    const int widths[3] = {1, 8, 64};
+    for (int i = 0; i < 3; ++i) {
+      const int nc = widths[i];
+      const int reps = std::max(4, 512 / nc);
+      double best = 1e30;
+      for (int pass = 0; pass < 3; ++pass) {
+        auto t0 = std::chrono::steady_clock::now();
+        for (int r = 0; r < reps; ++r) run(w.data(), rows, nc, out.data());
+        best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps);
+      }
+      m.cpu_matmul_flops[i] = 2.0 * static_cast<double>(rows) * cols * nc / best;
+    }
+    m.cpu_int8_flops = m.cpu_matmul_flops[2];
+  }
+}
+
 std::string cache_path() {
   const char* home = std::getenv("XDG_CACHE_HOME");
   std::string base = home && *home ? home : (std::getenv("HOME") ? std::string(std::getenv("HOME")) + "/.cache" : "/tmp");
@@ -99,8 +166,12 @@ MachineProfile probe_machine(int n_threads, bool use_gpu, bool use_cache) {
 #else
   (void)use_gpu;
 #endif
-  // The version part retires profiles written by builds whose measurement or calibration differed.
-  const std::string key = "v2|" + cpu_model() + "|" + std::to_string(m.cpu_threads) + "|" + gpu_key;
+  // A profile holds for one machine as this build measures it: the version part retires profiles of
+  // builds whose measurement differed, and the CPU, its threads and instruction set, the RAM's size and
+  // the GPU tell machines (and a container moved to another host) apart; anything else is re-measured.
+  const std::string key = "v3|" + cpu_model() + "|" + std::to_string(m.cpu_threads) + " threads|" +
+                          quant::isa_name(quant::best_isa()) + "|" + std::to_string(host_memory_total() >> 30) +
+                          " GiB|" + gpu_key;
   const std::string path = cache_path();
   nlohmann::json cache = nlohmann::json::object();
   if (use_cache) {
@@ -119,20 +190,27 @@ MachineProfile probe_machine(int n_threads, bool use_gpu, bool use_cache) {
       m.gpu_flops = c.value("gpu_flops", 0.0);
       m.pcie_bw = c.value("pcie_bw", 0.0);
       m.cpu_int8_flops = c.value("cpu_int8_flops", 0.0);
-      m.source = "cached in " + path;
+      m.cpu_decode_bw = c.value("cpu_decode_bw", 0.0);
+      const auto flops = c.value("cpu_matmul_flops", std::vector<double>{});
+      for (size_t i = 0; i < 3 && i < flops.size(); ++i) m.cpu_matmul_flops[i] = flops[i];
+      m.source = "measured " + c.value("measured_at", std::string("earlier")) + ", cached in " + path;
     }
   }
   if (m.host_mem_bw <= 0) {
     m.host_mem_bw = measure_host_bw(pool);
-    // Our int8 kernels run at about 100 GFLOP/s per core (AVX2 or AVX-512, docs/performance.md).
-    m.cpu_int8_flops = m.cpu_threads * (quant::best_isa() == quant::Isa::Scalar ? 5e9 : 90e9);
+    measure_cpu_kernels(pool, m);
 #if FITMOE_CUDA
     if (have_gpu) gpu::measure_device(&m);
 #endif
-    m.source = "measured";
+    m.source = "measured now";
     if (use_cache) {
+      char when[32];
+      const std::time_t now = std::time(nullptr);
+      std::strftime(when, sizeof when, "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
       cache[key] = {{"host_mem_bw", m.host_mem_bw}, {"gpu_mem_bw", m.gpu_mem_bw}, {"gpu_flops", m.gpu_flops},
-                    {"pcie_bw", m.pcie_bw}, {"cpu_int8_flops", m.cpu_int8_flops}};
+                    {"pcie_bw", m.pcie_bw}, {"cpu_int8_flops", m.cpu_int8_flops}, {"cpu_decode_bw", m.cpu_decode_bw},
+                    {"cpu_matmul_flops", std::vector<double>(m.cpu_matmul_flops, m.cpu_matmul_flops + 3)},
+                    {"measured_at", when}};
       std::error_code ec;
       std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
       std::ofstream f(path + ".partial");
@@ -145,7 +223,9 @@ MachineProfile probe_machine(int n_threads, bool use_gpu, bool use_cache) {
 #if FITMOE_CUDA
   if (have_gpu) {
     m.gpu_name = di.name;
-    m.gpu_free_bytes = di.free_bytes;  // free memory is always read fresh
+    m.gpu_runtime_bytes = gpu::measure_runtime_bytes();
+    gpu::DeviceInfo now;
+    m.gpu_free_bytes = gpu::query_device(&now) ? now.free_bytes : di.free_bytes;  // read fresh, runtime up
   } else {
     m.gpu_name = "none";
   }

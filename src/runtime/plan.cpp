@@ -163,14 +163,29 @@ uint64_t kv_cache_bytes(const ModelConfig& cfg, int64_t n_ctx, DType kv_type) {
          static_cast<uint64_t>(std::max<int64_t>(n_ctx, 0));
 }
 
-uint64_t host_memory_available() {
+namespace {
+uint64_t meminfo(const std::string& field) {
   std::ifstream f("/proc/meminfo");
   std::string key;
   uint64_t kb = 0;
   std::string unit;
   while (f >> key >> kb >> unit)
-    if (key == "MemAvailable:") return kb * 1024;
+    if (key == field) return kb * 1024;
   return 0;
+}
+}  // namespace
+
+uint64_t host_memory_available() { return meminfo("MemAvailable:"); }
+uint64_t host_memory_total() { return meminfo("MemTotal:"); }
+
+double cpu_matmul_rate(const MachineProfile& m, double tokens) {
+  const double* f = m.cpu_matmul_flops;
+  if (f[0] <= 0 || f[1] <= 0 || f[2] <= 0) return std::max(1.0, m.cpu_int8_flops);
+  // Log-linear between the measured widths 1, 8 and 64 (each step is 3 in log2); flat beyond 64.
+  const double lt = std::log2(std::clamp(tokens, 1.0, 64.0));
+  const double a = lt <= 3 ? std::log2(f[0]) : std::log2(f[1]), b = lt <= 3 ? std::log2(f[1]) : std::log2(f[2]);
+  const double u = (lt <= 3 ? lt : lt - 3) / 3;
+  return std::exp2(a + (b - a) * u);
 }
 
 void check_host_memory(uint64_t bytes, const std::string& what) {
@@ -246,7 +261,12 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
     }
     p.gpu_scratch = gpu_scratch_bytes(cfg, opt.n_ubatch, opt.n_ctx, per_expert, opt.prefill_chunk_experts);
   }
-  p.reserve = 640 * MiB;  // CUDA context, cuBLAS workspace, allocator slack
+  // What the process holds on the GPU beyond the accountant's allocations: the CUDA runtime as measured
+  // at start-up (context, loaded kernels, cuBLAS; MachineProfile::gpu_runtime_bytes) plus what comes
+  // later (cuBLAS workspaces on first use, instantiated decode graphs, kernels loaded lazily: at most
+  // kRuntimeLater on the H200, docs/performance.md), or a fixed estimate where it cannot be measured.
+  constexpr uint64_t kRuntimeLater = 160 * MiB;
+  p.reserve = m.gpu_runtime_bytes ? m.gpu_runtime_bytes + kRuntimeLater : 640 * MiB;
 
   // Classify tensors.
   std::vector<size_t> expert_idx;
@@ -280,6 +300,9 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
       p.notes.push_back("the budget " + gib(opt.vram_budget) + " exceeds the card's free " + gib(m.gpu_free_bytes) +
                         ": the card's free memory caps it");
     if (opt.vram_budget) p.budget = std::min<uint64_t>(opt.vram_budget, m.gpu_free_bytes);
+    // The card's free memory was read with the runtime already up: where it sets the budget, the
+    // runtime's start-up share is outside it already.
+    if (m.gpu_runtime_bytes && (!opt.vram_budget || opt.vram_budget >= m.gpu_free_bytes)) p.reserve = kRuntimeLater;
 
     // 1. Non-expert tensors on the GPU (token embedding: host, only its rows are read, unless it is also
     //    the output head).
@@ -555,9 +578,41 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
       p.notes.push_back(buf);
     }
   } else {
-    const double bytes = non_expert_tok + p.host_expert_bytes_per_token;
-    p.predicted_tg = 0.9 * m.host_mem_bw / bytes;
-    p.predicted_pp = std::max(1.0, m.cpu_int8_flops) / (2.0 * bytes / 0.6) * 0.5;
+    // CPU only, from the CPU kernels' own rates on this machine (probe_machine). Decode: every byte a
+    // token reads (non-expert weights, k experts per layer, the KV of a typical depth) at the rate of the
+    // one-token kernel over weights in RAM, plus each layer's fixed cost (about ten parallel steps of
+    // the thread pool and the small ops between them).
+    constexpr double kCpuLayerFixed = 30e-6;
+    const double bw = m.cpu_decode_bw > 0 ? m.cpu_decode_bw : 0.9 * m.host_mem_bw;
+    p.predicted_tg = 1.0 / ((non_expert_tok + p.host_expert_bytes_per_token + kv_read) / bw + L * kCpuLayerFixed);
+    // Prefill of one 512-token batch (what a session evaluates at once): each product at the kernel's
+    // rate for the tokens it multiplies (the batch for attention and dense weights, batch * k / E for a
+    // routed expert), the output head for the last token only, every weight read from RAM once per
+    // batch, and attention's dot products over the causal context (f32, about half the int8 rate).
+    const double B = 512;
+    const std::string head = tied ? "token_embd.weight" : "output.weight";
+    double dense_params = 0, expert_params = 0, head_params = 0, batch_bytes = 0;
+    for (const auto& t : p.tensors) {
+      const gguf::TensorInfo* ti = file.find_tensor(t.name);
+      if (!ti || ti->n_dims < 2) continue;
+      const double n = static_cast<double>(ti->n_elements());
+      if (t.name == head) {
+        head_params = n;
+      } else if (t.is_experts) {
+        expert_params += n / E;  // one expert's
+        batch_bytes += static_cast<double>(t.bytes) * (1 - std::pow(1 - static_cast<double>(k) / E, B));
+      } else if (t.name != "token_embd.weight") {
+        dense_params += n;
+        batch_bytes += static_cast<double>(t.bytes);
+      }
+    }
+    const double per_expert_tokens = E > 0 ? B * k / E : B;
+    const double attn_flops = 4.0 * cfg.n_head * cfg.head_dim * (B / 2) * L;
+    const double t_batch = B * (2 * dense_params / cpu_matmul_rate(m, B) +
+                                2 * k * expert_params / cpu_matmul_rate(m, per_expert_tokens) +
+                                attn_flops / (0.5 * cpu_matmul_rate(m, B))) +
+                           2 * head_params / cpu_matmul_rate(m, 1) + batch_bytes / std::max(1.0, m.host_mem_bw);
+    p.predicted_pp = B / t_batch;
   }
   return p;
 }
@@ -586,14 +641,23 @@ std::string Plan::report() const {
   s << "machine: " << (machine.gpu_name.empty() ? "no GPU" : machine.gpu_name) << ", GPU memory "
     << gib(static_cast<double>(machine.gpu_free_bytes)) << " free, GPU " << machine.gpu_mem_bw / 1e9 << " GB/s, PCIe "
     << machine.pcie_bw / 1e9 << " GB/s (pinned), host RAM " << machine.host_mem_bw / 1e9 << " GB/s, "
-    << machine.cpu_threads << " CPU threads [" << machine.source << "]\n";
+    << machine.cpu_threads << " CPU threads";
+  if (machine.cpu_decode_bw > 0)
+    s << " (their kernels: decode " << std::lround(machine.cpu_decode_bw / 1e9) << " GB/s, products of 1 / 8 / 64 tokens "
+      << std::lround(machine.cpu_matmul_flops[0] / 1e9) << " / " << std::lround(machine.cpu_matmul_flops[1] / 1e9) << " / "
+      << std::lround(machine.cpu_matmul_flops[2] / 1e9) << " GFLOP/s)";
+  s << " [" << machine.source << "]\n";
   if (use_gpu) {
     s << "\nGPU memory map (budget " << gib(static_cast<double>(budget)) << "):\n";
     s << "  non-expert weights  " << gib(static_cast<double>(gpu_weights)) << "\n";
     s << "  routed experts      " << gib(static_cast<double>(gpu_experts)) << "\n";
     s << "  KV cache            " << gib(static_cast<double>(gpu_kv)) << "  (" << options.n_ctx << " tokens, " << dtype_name(options.kv_type) << ")\n";
     s << "  scratch             " << gib(static_cast<double>(gpu_scratch)) << "  (micro-batch " << options.n_ubatch << ")\n";
-    s << "  CUDA reserve        " << gib(static_cast<double>(reserve)) << "\n";
+    s << "  CUDA runtime        " << gib(static_cast<double>(reserve))
+      << (machine.gpu_runtime_bytes ? "  (context, kernels, cuBLAS: " + gib(static_cast<double>(machine.gpu_runtime_bytes)) +
+                                          " measured at start-up, plus workspaces and graphs)"
+                                    : std::string("  (estimated: the driver's per-process figure could not be read)"))
+      << "\n";
     s << "  total               " << gib(static_cast<double>(gpu_total())) << "\n";
   }
   s << "\nhost memory map (" << gib(static_cast<double>(machine.host_available_bytes)) << " available):\n";

@@ -23,6 +23,9 @@ namespace fitmoe {
 struct MachineProfile {
   std::string gpu_name = "none";
   uint64_t gpu_free_bytes = 0;      // what the card has free (0: no GPU)
+  // What this process holds on the GPU once the CUDA runtime is up, before any allocation of its own,
+  // as the driver (nvidia-smi) counts it; read fresh (0: unknown, the plan assumes a fixed reserve).
+  uint64_t gpu_runtime_bytes = 0;
   double gpu_mem_bw = 0;            // device memory bandwidth
   double gpu_flops = 0;             // dense f16 matrix rate (for prefill)
   double pcie_bw = 0;               // host->device from pinned memory
@@ -32,6 +35,7 @@ struct MachineProfile {
   // The CPU's own kernels, measured on this machine with cpu_threads threads: bytes per second of a
   // one-token product over weights in RAM (decode), and int8 FLOP/s of a many-token product (prefill).
   double cpu_decode_bw = 0;
+  double cpu_matmul_flops[3] = {0, 0, 0};  // int8 FLOP/s of products of 1, 8 and 64 tokens (cache-resident weights)
   uint64_t host_available_bytes = 0;  // MemAvailable, read fresh (0: unknown)
   std::string source = "defaults";  // "measured", "cached", "flags", "defaults"
 };
@@ -143,8 +147,13 @@ uint64_t gpu_scratch_bytes(const ModelConfig& cfg, int n_ubatch, int n_ctx, uint
 // Bytes of the KV cache of n_ctx positions (every layer's K and V rows of kv_type).
 uint64_t kv_cache_bytes(const ModelConfig& cfg, int64_t n_ctx, DType kv_type);
 
-// MemAvailable from /proc/meminfo (0 where it cannot be read).
+// MemAvailable / MemTotal from /proc/meminfo (0 where it cannot be read).
 uint64_t host_memory_available();
+uint64_t host_memory_total();
+
+// The CPU's int8 product rate (FLOP/s) at `tokens` columns per weight matrix, interpolated between the
+// profile's measured widths (cpu_int8_flops where the profile has none).
+double cpu_matmul_rate(const MachineProfile& m, double tokens);
 
 // Throws Error when `bytes` more host memory (for `what`) would not fit in what the machine has free,
 // naming both figures; a check before a large allocation, so that it fails with a message instead of
