@@ -3,7 +3,7 @@
 # prints a short table last. Binaries come prebuilt from the dev machine (scripts/device-prepare.sh puts
 # them and the test fixtures into git-ignored folders that the run carries).
 #   scripts/device-run.sh [MODE...]   MODE: all (default) tests cpu gpu gputests gpubench profile skip ab sync ncu
-#                                     ncu-detail ncu-source nsys toggles hybrid; several in one call run in this file's order
+#                                     ncu-detail ncu-source nsys toggles hybrid predict; several in one call run in this file's order
 #   (SKIP_CONFIGS names GPU configs to skip)
 # profile: where a decode step's GPU time goes, per op (FITMOE_PROFILE=1), all on the GPU and at 8 GiB.
 set -uo pipefail
@@ -280,6 +280,38 @@ for r in json.load(open(sys.argv[1])):
         line += f", {r['weight_bytes_per_token']/1e9:.3f} GB/token -> {r['weight_gbps']:.1f} GB/s of 76.4 ({100*r['weight_gbps']/76.4:.0f}%)"
     print(line)
 PY
+fi
+
+# predict: the plan's predicted speed against bench's measurement in the same run, for CPU only, all
+# on the GPU and hybrid at 8 GiB (each bench plans with the machine profile it measured itself), and
+# what the driver counts for the process next to its --vram budget (nvidia-smi sampled meanwhile).
+if want predict; then
+  [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 1
+  rm -f "${XDG_CACHE_HOME:-$HOME/.cache}/fitmoe/machine.json"  # measured afresh by this run's first bench
+  for cfg in "cpu|--gpu none -p 512 -n 32 -r 2" "all-gpu|-p 512 -n 128 -r 3" "vram-8G|--vram 8G -p 512 -n 128 -r 3" \
+             "vram-6G|--vram 6G -p 512 -n 64 -r 2"; do
+    name=${cfg%%|*}; flags=${cfg#*|}
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits -lms 200 > "$OUT/smi-$name.txt" 2>/dev/null &
+    smi=$!
+    "$BIN/fitmoe" bench -m "$MODEL" $flags -o json > "$OUT/pred-$name.json" 2> "$OUT/pred-$name.err"
+    kill $smi 2>/dev/null; wait $smi 2>/dev/null
+    grep -E '^plan|GPU memory of this process' "$OUT/pred-$name.err" | head -n 3
+    peak=$(awk -F', *' '{ if ($2 > m) m = $2 } END { print m + 0 }' "$OUT/smi-$name.txt")
+    while read -r l; do echo "$l"; summary+=("$l"); done < <(python3 - "$OUT/pred-$name.json" "$name" "$peak" <<'PY'
+import json, sys
+try:
+    rows = json.load(open(sys.argv[1]))
+except Exception as e:
+    print(f"predict {sys.argv[2]}: no result ({e})"); sys.exit(0)
+for r in rows:
+    p, m = r.get('predicted_ts', 0), r['avg_ts']
+    extra = ""
+    if r.get('gpu_budget_mib'):
+        extra = f"; GPU memory: nvidia-smi peak {sys.argv[3]} MiB, driver {r.get('gpu_process_mib', '?')} MiB, budget {r['gpu_budget_mib']} MiB"
+    print(f"predict {sys.argv[2]} {r['test']}: predicted {p:.1f}, measured {m:.1f} tok/s ({100*(p/m-1):+.0f}%){extra}")
+PY
+)
+  done
 fi
 
 echo "== summary"

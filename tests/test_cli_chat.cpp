@@ -101,3 +101,16 @@ TEST(ChatCli, OptionsAreRangeChecked) {
     EXPECT_EQ(count(r.err, " prompt tokens at "), 0) << bad;
   }
 }
+
+TEST(ChatCli, RandomSamplingPrintsItsSeedAndTheSeedRepeatsTheConversation) {
+  auto r = run_fitmoe("chat -m " + model() + " -c 128 -n 6", "hello\n");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("seed: "), std::string::npos) << r.err;
+  auto a = run_fitmoe("chat -m " + model() + " -c 128 -n 6 --seed 7", "hello\nand again\n");
+  auto b = run_fitmoe("chat -m " + model() + " -c 128 -n 6 --seed 7", "hello\nand again\n");
+  EXPECT_NE(a.err.find("seed: 7 "), std::string::npos) << a.err;
+  EXPECT_EQ(a.out, b.out);
+  // Greedy decoding has no seed to print.
+  r = run_fitmoe("chat -m " + model() + " -c 128 -n 2 --temp 0", "hello\n");
+  EXPECT_EQ(r.err.find("seed: "), std::string::npos) << r.err;
+}

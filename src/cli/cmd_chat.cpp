@@ -178,6 +178,8 @@ void register_chat(CLI::App& app) {
     std::signal(SIGINT, on_sigint);
     std::fprintf(stderr, "chat with %s (%d-token context). /help lists the commands, Ctrl-C stops an answer.\n",
                  model->config().name.c_str(), n_ctx);
+    if (a->sampler.temperature > 0)
+      std::fprintf(stderr, "seed: %llu (--seed repeats this conversation)\n", static_cast<unsigned long long>(a->sampler.seed));
     LineReader in;
     const bool terminal = ::isatty(0);
     std::string text;
