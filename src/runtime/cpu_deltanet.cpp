@@ -4,7 +4,11 @@
 #include <cstring>
 #include <vector>
 
+#include "quant/kernels.h"
 #include "runtime/cpu_ops.h"
+#define FITMOE_DELTA_HEAD delta_head_baseline
+#include "runtime/cpu_deltanet_head.inc"
+#undef FITMOE_DELTA_HEAD
 
 namespace fitmoe::cpu {
 
@@ -86,44 +90,25 @@ void l2_norm(float* x, int n, int n_rows, int64_t ld, float eps) {
   }
 }
 
-namespace {
-// Dot product with eight independent partial sums, so the compiler can keep them in vector lanes
-// (a single running sum is a chain of dependent adds: the state sweep would be latency-bound).
-inline float dot8(const float* a, const float* b, int n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int u = 0; u < 8; ++u) acc[u] += a[i + u] * b[i + u];
-  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-}  // namespace
+namespace detail {
+// The AVX2 + FMA build of delta_head (cpu_deltanet_avx2.cpp).
+void delta_head_avx2(float* S, int dk, int dv, int n_tokens, const float* q, const float* k, int64_t ld_qk,
+                     const float* v, int64_t ld_v, const float* g, const float* beta, int64_t ld_gb, float* out,
+                     int64_t ld_out, float scale);
+}  // namespace detail
 
 void gated_delta_net(ThreadPool& pool, const DeltaSpec& d, int n_tokens, const float* q, const float* k, int64_t ld_qk,
                      const float* v, int64_t ld_v, const float* g, const float* beta, float* state, float* out,
                      int64_t ld_out) {
   const int dk = d.head_k_dim, dv = d.head_v_dim, Hv = d.n_v_heads, Hk = d.n_k_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  // The same source for both; FITMOE_ISA=scalar takes the baseline build.
+  static const auto head = quant::best_isa() == quant::Isa::Scalar ? delta_head_baseline : detail::delta_head_avx2;
   pool.parallel_for(Hv, 1, [&](int64_t b, int64_t e, int) {
     for (int64_t h = b; h < e; ++h) {
       const int64_t kh = h % Hk;
-      float* S = state + h * dv * dk;
-      for (int t = 0; t < n_tokens; ++t) {
-        const float* qh = q + t * ld_qk + kh * dk;
-        const float* kk = k + t * ld_qk + kh * dk;
-        const float* vh = v + t * ld_v + h * dv;
-        float* oh = out + t * ld_out + h * dv;
-        const float decay = std::exp(g[static_cast<int64_t>(t) * Hv + h]);
-        const float bt = beta[static_cast<int64_t>(t) * Hv + h];
-        for (int j = 0; j < dv; ++j) {
-          float* row = S + static_cast<int64_t>(j) * dk;
-          for (int i = 0; i < dk; ++i) row[i] *= decay;
-          const float delta = (vh[j] - dot8(row, kk, dk)) * bt;
-          for (int i = 0; i < dk; ++i) row[i] += kk[i] * delta;
-          oh[j] = dot8(row, qh, dk) * scale;
-        }
-      }
+      head(state + h * dv * dk, dk, dv, n_tokens, q + kh * dk, k + kh * dk, ld_qk, v + h * dv, ld_v, g + h, beta + h, Hv,
+           out + h * dv, ld_out, scale);
     }
   });
 }
