@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstdlib>
 #include <immintrin.h>
 #include <string>
 
@@ -12,21 +11,6 @@
 #include "runtime/thread_pool.h"
 
 namespace fitmoe::gpu {
-
-namespace {
-
-// FITMOE_ROUTE_IN_EXPERTS=0 routes with router_topk even where the gate+up kernel could route itself
-// (for A/B measurements; on the H200 all-GPU decode went from 387.3 / 388.9 to 397.6 / 397.9 tok/s
-// with the self-routing kernel).
-bool route_in_experts() {
-  static const bool on = [] {
-    const char* e = std::getenv("FITMOE_ROUTE_IN_EXPERTS");
-    return !(e && std::string(e) == "0");
-  }();
-  return on;
-}
-
-}  // namespace
 
 MoeExecutor::MoeExecutor(Engine& e, std::vector<MoeLayer> layers) : e_(e), layers_(std::move(layers)) {
   for (size_t l = 0; l < layers_.size(); ++l) {
@@ -44,7 +28,7 @@ bool MoeExecutor::routes_in_experts(int l, int nt) const {
   const MoeLayer& L = layers_[l];
   const GExperts& X = *L.experts;
   const ModelConfig& c = e_.c;
-  return nt == 1 && X.n_dev == c.n_expert && !X.gpu_share() && route_in_experts() && L.router->on_gpu() &&
+  return nt == 1 && X.n_dev == c.n_expert && !X.gpu_share() && L.router->on_gpu() &&
          c.n_expert <= gpu::kRouteInExpertsMax && c.n_expert_used <= 32 && X.gate.type == X.up.type &&
          !is_float_type(X.gate.type);
 }

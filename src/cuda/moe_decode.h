@@ -66,7 +66,8 @@ class MoeExecutor {
   bool hybrid(int l) const { return moe(l) && layers_[l].experts->n_dev < e_.c.n_expert; }
 
   // One token with every expert on the GPU: the gate+up kernel makes the routing itself from the
-  // router's logits (one step fewer on the critical path than router_topk's last CTA).
+  // router's logits (one step fewer on the critical path than router_topk's last CTA; measured on the
+  // H200, all-GPU decode: 397.6 / 397.9 tok/s against 387.3 / 388.9 with router_topk).
   bool routes_in_experts(int l, int nt) const;
   // The attention block's residual add and the FFN norm done in the router's launch
   // (gpu::residual_norm_router), the add itself deferred to the FFN block's end: one launch fewer per

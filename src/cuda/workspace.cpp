@@ -90,7 +90,6 @@ void Workspace::allocate(Engine& eng, const WorkspaceShape& shape) {
   g = dev_floats(slots * ff, "activations");
   u = dev_floats(slots * ff, "activations");
   ey = dev_floats(slots * n, "activations");
-  xg = dev_floats(U * n, "activations");
   logits = dev_floats(static_cast<size_t>(std::min(U, 64)) * c.n_vocab, "logits");
   ids = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * slots, "activations"));
   pos = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * U, "activations"));
@@ -137,7 +136,6 @@ void Workspace::allocate(Engine& eng, const WorkspaceShape& shape) {
   }
   h_x = host<float>(static_cast<size_t>(U) * n);
   h_xn = host<float>(static_cast<size_t>(U) * n);
-  h_wts = host<float>(slots);
   h_ids = host<int32_t>(slots);
   h_ey = host<float>(static_cast<size_t>(slots) * n);
   h_ey_slots = host<float>(static_cast<size_t>(vec_rows) * n);

@@ -62,7 +62,6 @@ struct Workspace {
   float *x = nullptr, *xn = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *att = nullptr, *y = nullptr;
   float* y_attn = nullptr;  // the attention output when its residual add is deferred (MoeDecode::folds_norm)
   float *rlogits = nullptr, *wts = nullptr, *g = nullptr, *u = nullptr, *ey = nullptr, *logits = nullptr;
-  float *xg = nullptr;
   int32_t *ids = nullptr, *pos = nullptr, *tokens = nullptr, *act_row = nullptr, *ident = nullptr, *idx_a = nullptr,
           *idx_b = nullptr;
   void *acts = nullptr, *dequant = nullptr, *attn_scratch = nullptr;
@@ -74,7 +73,7 @@ struct Workspace {
   bool ffn_out_combined = false;  // this layer's MoE output is already combined in y (not per slot in ey)
   size_t acts_bytes = 0, dequant_bytes = 0, attn_scratch_bytes = 0, stage_bytes = 0;
   // Pinned host exchange buffers.
-  float *h_x = nullptr, *h_xn = nullptr, *h_wts = nullptr, *h_ey = nullptr, *h_out = nullptr;
+  float *h_x = nullptr, *h_xn = nullptr, *h_ey = nullptr, *h_out = nullptr;
   float* h_ey_slots = nullptr;  // the CPU's expert outputs in slot order (decode), read by gpu::handover_combine
   float* ey_host = nullptr;     // rows of the host experts the GPU computes itself (its share, decode)
   int32_t *h_ids = nullptr, *h_pos = nullptr, *h_idx = nullptr;
