@@ -383,4 +383,43 @@ TEST(Qwen35Cli, InfoListsLayersAndMtpAndBadFilesFailInOneLine) {
   std::remove(big.c_str());
 }
 
+// The per-sequence memory the plan should charge: KV only for the attention layers, a fixed state for
+// the DeltaNets (about 63 MiB for the 35B shape, docs/models.md) kept once more per checkpoint.
+TEST(Qwen35State, SequenceMemoryFromLayerSpecs) {
+  const std::string dir = test::testdata("qwen35moe-mtp-tiny");
+  LoadOptions lo;
+  lo.plan.use_gpu = false;
+  auto model = Model::load(dir + "/qwen35moe-mtp-tiny-f32.gguf", lo);
+  const ModelConfig& c = model->config();
+  // One attention layer in the trunk (1 KV head x (64 + 64) x f16) and the MTP block's; one DeltaNet
+  // of conv 3 x 512 and 4 heads of 64 x 64 floats.
+  const uint64_t kv = 1 * (64 + 64) * 2, rec = (3 * 512 + 4 * 64 * 64) * 4;
+  EXPECT_EQ(sequence_memory_bytes(c, 100, DType::F16, 0, false), kv * 100 + rec);
+  EXPECT_EQ(sequence_memory_bytes(c, 100, DType::F16, 2, true), 2 * kv * 100 + 3 * rec);
+  StateOptions so;
+  so.n_ctx = 100;
+  auto st = model->new_state(so);
+  EXPECT_EQ(st->bytes(), kv * 100 + rec);  // the state allocates what the specs say
+  // The 35B-A3B shape.
+  ModelConfig big = c;
+  big.n_layer = 41;
+  big.n_layer_mtp = 1;
+  big.n_head = 16;
+  big.n_head_kv = 2;
+  big.head_dim = big.head_dim_v = 256;
+  big.ssm_n_k_heads = 16;
+  big.ssm_n_v_heads = 32;
+  big.ssm_head_k_dim = big.ssm_head_v_dim = 128;
+  big.ssm_conv_kernel = 4;
+  big.recurrent_layers.assign(41, false);
+  for (int l = 0; l < 40; ++l) big.recurrent_layers[l] = (l + 1) % 4 != 0;
+  const double state_mib = static_cast<double>(sequence_memory_bytes(big, 0, DType::F16, 0, false)) / (1 << 20);
+  EXPECT_NEAR(state_mib, 62.8, 0.1);
+  EXPECT_EQ(sequence_memory_bytes(big, 1, DType::F16, 0, false) - sequence_memory_bytes(big, 0, DType::F16, 0, false),
+            10u * 2 * (256 + 256) * 2);  // KV per position: 10 attention layers of 2 KV heads
+  // qwen3moe: every layer attention, as plan's kv_cache_bytes counts it.
+  auto q3 = Model::load(test::testdata("qwen3moe-tiny") + "/qwen3moe-tiny-f32.gguf", lo);
+  EXPECT_EQ(sequence_memory_bytes(q3->config(), 64, DType::F16, 4), kv_cache_bytes(q3->config(), 64, DType::F16));
+}
+
 }  // namespace

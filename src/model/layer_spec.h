@@ -57,7 +57,8 @@ struct LayerSpec {
 };
 
 // What one layer keeps per sequence: KV bytes per cached position (attention) or a fixed state
-// (DeltaNet, f32). The state allocation uses this; the plan should too.
+// (DeltaNet, f32). The CPU state allocates exactly this (a test holds them equal); the plan should
+// charge it (sequence_memory_bytes below).
 struct LayerMemory {
   uint64_t kv_bytes_per_pos = 0;
   uint64_t state_bytes = 0;
@@ -74,14 +75,14 @@ inline LayerMemory layer_memory(const LayerSpec& l, DType kv_type) {
   }
   return m;
 }
-// Bytes of per-sequence memory for n_ctx positions over all layers.
-inline uint64_t sequence_memory_bytes(const std::vector<LayerSpec>& layers, int64_t n_ctx, DType kv_type) {
-  uint64_t b = 0;
-  for (const LayerSpec& l : layers) {
-    const LayerMemory m = layer_memory(l, kv_type);
-    b += m.kv_bytes_per_pos * static_cast<uint64_t>(n_ctx) + m.state_bytes;
-  }
-  return b;
-}
+
+struct ModelConfig;
+// Every layer of a model as the plan and the states should size it, for any architecture fitmoe
+// runs: qwen35 / qwen35moe by their layer pattern (with_mtp: the MTP block too, an attention layer
+// whose KV cache lives in the drafter's own state), the others all attention. src/model/layer_spec.cpp.
+std::vector<LayerSpec> layer_specs(const ModelConfig& c, bool with_mtp = true);
+// Per-sequence bytes for n_ctx positions: KV caches of the attention layers plus the recurrent states,
+// each of which is kept 1 + n_checkpoints times (the live one and its checkpoints).
+uint64_t sequence_memory_bytes(const ModelConfig& c, int64_t n_ctx, DType kv_type, int n_checkpoints, bool with_mtp = true);
 
 }  // namespace fitmoe
