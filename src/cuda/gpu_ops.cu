@@ -2816,14 +2816,9 @@ bool launch_attention(AttnArgs& a, void* scratch, size_t scratch_bytes, cudaStre
     a.opart = reinterpret_cast<float*>(base + d.g_o);
     a.v_vec = aligned(a.v, 16) && (a.n_ctx * sizeof(T)) % 16 == 0;
     if ((a.group * a.hdv) % 256 != 0) a.out_q = nullptr;
-    // Keys per chunk at least: a chunk's barrier costs more than a few keys (FITMOE_ATTN_CHUNK: for
-    // measuring; a multiple of 8 up to 128).
-    static const int chunk_min = [] {
-      const char* e = std::getenv("FITMOE_ATTN_CHUNK");
-      const int v = e ? std::atoi(e) : 32;
-      return v >= 8 && v <= kChunkMax && v % 8 == 0 ? v : 32;
-    }();
-    a.chunk_min = chunk_min;
+    // Keys per chunk at least: a chunk's barrier costs more than a few keys (measured on the H200:
+    // 32 beat 16, 24, 64 and 128; docs/performance.md).
+    a.chunk_min = 32;
     const dim3 grid(kGroupChunks, a.n_head_kv, a.n_tokens);
     launch(gk, grid, kGroupThreads, gsmem, s, a);
     launched("attention (decode, short cache)");
