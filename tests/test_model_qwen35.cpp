@@ -381,6 +381,28 @@ TEST(Qwen35Cli, InfoListsLayersAndMtpAndBadFilesFailInOneLine) {
   EXPECT_NE(r.out.find("16/2 heads x 256, vocab 248320, 256 experts, 8 active, width 512"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("1 Gated DeltaNet + 0 gated full attention"), std::string::npos) << r.out;
   std::remove(big.c_str());
+
+  // logits --mtp-output dumps the MTP head as the reference's mtp-p33.logits.f32 lays it out.
+  const std::string dir = test::testdata("qwen35moe-mtp-tiny");
+  auto manifest = test::read_json(dir + "/manifest.json");
+  auto toks = manifest["prompts"]["p33"]["ids"].get<std::vector<int32_t>>();
+  toks.push_back(test::read_json(dir + "/ref/f32/greedy-p33.json")["tokens"][0].get<int32_t>());
+  std::string list;
+  for (int32_t t : toks) list += (list.empty() ? "" : ",") + std::to_string(t);
+  const std::string lo = test::temp_path("q35cli", "trunk.f32"), mo = test::temp_path("q35cli", "mtp.f32");
+  r = test::run_fitmoe("logits -m " + dir + "/qwen35moe-mtp-tiny-f32.gguf -t 2 --tokens " + list + " -o " + lo + " --mtp-output " + mo);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto got = test::read_f32(mo), want = test::read_f32(dir + "/ref/f32/mtp-p33.logits.f32");
+  ASSERT_EQ(got.size(), want.size());
+  const int V = 1024;
+  double worst = 0;
+  for (size_t row = 0; row < toks.size(); ++row) worst = std::max(worst, test::rel_l2(got.data() + row * V, want.data() + row * V, V));
+  EXPECT_LE(worst, 1e-3);
+  std::remove(lo.c_str());
+  std::remove(mo.c_str());
+  r = test::run_fitmoe("logits -m " + test::testdata("qwen35moe-tiny") + "/qwen35moe-tiny-f32.gguf --tokens 1,2 -o " + lo + " --mtp-output " + mo);
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("--mtp-output: the model has no MTP (nextn) block"), std::string::npos) << r.err;
 }
 
 // The per-sequence memory the plan should charge: KV only for the attention layers, a fixed state for

@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "cli/common.h"
+#include "model/qwen35.h"
 #include "runtime/error.h"
 #include "text/tokenizer.h"
 
@@ -142,8 +143,13 @@ void register_logits(CLI::App& app) {
   add_model_options(*cmd, a->model);
   cmd->add_option("--tokens", a->tokens, "token ids, comma separated")->required();
   cmd->add_option("-o,--output", *out_path, "output file: little-endian f32 [n_tokens][n_vocab]")->required();
-  cmd->callback([a, out_path] {
+  auto mtp_path = std::make_shared<std::string>();
+  cmd->add_option("--mtp-output", *mtp_path,
+                  "also the MTP (nextn) head's logits, teacher-forced: row r on token r with the trunk's hidden "
+                  "state of position r - 1 (zeros for row 0), f32 [n_tokens][n_vocab] (qwen35 files with an MTP block)");
+  cmd->callback([a, out_path, mtp_path] {
     check_output_path(*out_path);  // before the work, not after it
+    if (!mtp_path->empty()) check_output_path(*mtp_path);
     auto tokens = parse_token_list(a->tokens);
     auto model = load_model(a->model, [&](const Model& m) {
       check_prompt(m, tokens, std::max<int>(a->model.ctx, static_cast<int>(tokens.size())));
@@ -152,6 +158,24 @@ void register_logits(CLI::App& app) {
     so.n_batch = static_cast<int>(tokens.size());  // one batch, as the contract says
     so.n_ctx = std::max<int>(so.n_ctx, static_cast<int>(tokens.size()));
     Session s(*model, so);
+    if (!mtp_path->empty()) {
+      // The trunk's pass that also gives the hidden rows, then the MTP head over the same tokens with
+      // the rows shifted by one: the layout of the reference's mtp-*.logits.f32 dumps.
+      if (!qwen35_has_mtp(*model)) throw Error(a->model.model_path + ": --mtp-output: the model has no MTP (nextn) block");
+      const int n = static_cast<int>(tokens.size()), E = model->config().n_embd, V = model->config().n_vocab;
+      std::vector<float> logits(static_cast<size_t>(n) * V), hidden(static_cast<size_t>(n + 1) * E, 0.0f);
+      qwen35_forward_hidden(*model, s.state(), s.pool(), tokens, n, logits.data(), hidden.data() + E);
+      StateOptions mo;
+      mo.n_ctx = so.n_ctx;
+      mo.kv_type = so.kv_type;
+      auto mst = qwen35_new_mtp_state(*model, mo);
+      std::vector<float> mtp(static_cast<size_t>(n) * V);
+      qwen35_mtp_forward(*model, *mst, s.pool(), tokens, hidden.data(), mtp.data(), nullptr);
+      write_file_atomically(*out_path, logits.data(), logits.size() * sizeof(float));
+      write_file_atomically(*mtp_path, mtp.data(), mtp.size() * sizeof(float));
+      std::printf("wrote %d x %d logits to %s and the MTP head's to %s\n", n, V, out_path->c_str(), mtp_path->c_str());
+      return;
+    }
     auto logits = s.eval(tokens, static_cast<int>(tokens.size()));
     write_file_atomically(*out_path, logits.data(), logits.size() * sizeof(float));
     std::printf("wrote %zu x %d logits to %s\n", tokens.size(), model->config().n_vocab, out_path->c_str());
