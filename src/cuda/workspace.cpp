@@ -32,7 +32,7 @@ KvCache::~KvCache() {
 }
 
 Workspace::~Workspace() {
-  for (void* p : owned_) mem_.free(p);
+  for (void* p : owned_) mem_->free(p);
   for (void* p : pinned_) gpu::free_pinned(p);
   for (int i = 0; i < kPrefillStageSlots; ++i)
     for (void* e : {ev_free[i], ev_filled[i]})
@@ -41,7 +41,11 @@ Workspace::~Workspace() {
 }
 
 void* Workspace::dev_bytes(size_t n, const char* what) {
-  void* p = mem_.alloc(n, what);
+  if (!mem_) {  // (device_bytes: counting as the accountant does)
+    counted_ += n ? n : 1;
+    return nullptr;
+  }
+  void* p = mem_->alloc(n, what);
   owned_.push_back(p);
   return p;
 }
@@ -59,17 +63,17 @@ void DecodeGraphs::clear() {
 }
 
 GpuState::GpuState(Engine& e, const StateOptions& opt, const WorkspaceShape& shape)
-    : kv(e.mem, e.c, opt.n_ctx, opt.kv_type), ws(e.mem) {
+    : kv(e.mem, e.c, opt.n_ctx, opt.kv_type), ws(&e.mem) {
   n_ctx_ = opt.n_ctx;
   WorkspaceShape s = shape;
   s.n_ctx = opt.n_ctx;
   ws.allocate(e, s);
 }
 
-// Sizes mirrored by the plan (gpu_scratch_bytes in src/runtime/plan.cpp).
-void Workspace::allocate(Engine& eng, const WorkspaceShape& shape) {
-  const ModelConfig& c = eng.c;
-  void* const stream = eng.stream;
+// Every device buffer, in the order allocate() has always taken them (the accountant's figures and the
+// buffers' addresses follow from it), sized for the shape; nothing else. The plan's gpu_scratch_bytes
+// (src/runtime/plan.cpp) mirrors these sizes.
+void Workspace::reserve_device(const ModelConfig& c, const WorkspaceShape& shape, int chunk_experts) {
   ub = shape.ubatch;
   const int U = ub, E = std::max(c.n_expert, 1), k = std::max(c.n_expert_used, 1);
   const int64_t n = c.n_embd, qw = static_cast<int64_t>(c.n_head) * c.head_dim,
@@ -96,16 +100,10 @@ void Workspace::allocate(Engine& eng, const WorkspaceShape& shape) {
   tokens = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * U, "activations"));
   idx_a = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * slots, "activations"));
   idx_b = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * slots, "activations"));
-  // act_row[j] = j / k (slot -> token) and ident[j] = j, constant.
-  std::vector<int32_t> rows(static_cast<size_t>(slots)), identity(static_cast<size_t>(slots));
-  for (int64_t j = 0; j < slots; ++j) rows[j] = static_cast<int32_t>(j / k), identity[j] = static_cast<int32_t>(j);
   act_row = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * slots, "activations"));
   ey_host = dev_floats(std::min<int64_t>(slots, static_cast<int64_t>(gpu::kMaxVecTokens) * k) * n, "activations");
   ident = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * slots, "activations"));
   route_done = static_cast<unsigned*>(dev_bytes(sizeof(unsigned), "activations"));
-  gpu::memset_async(route_done, 0, sizeof(unsigned), stream);
-  gpu::copy_h2d(act_row, rows.data(), sizeof(int32_t) * slots, stream);
-  gpu::copy_h2d(ident, identity.data(), sizeof(int32_t) * slots, stream);
   // Activations in the weights' formats, for the matrix-vector path only (micro-batches of at most
   // kMaxVecTokens tokens); the widest row set is the experts' slots.
   const int64_t vec_tokens = std::min<int64_t>(U, gpu::kMaxVecTokens);
@@ -118,20 +116,57 @@ void Workspace::allocate(Engine& eng, const WorkspaceShape& shape) {
   dequant = dev_bytes(dequant_bytes, "dequantized weight tiles");
   attn_scratch_bytes = gpu::attention_scratch_bytes(U, shape.n_ctx, c.n_head, c.head_dim_v);
   attn_scratch = dev_bytes(attn_scratch_bytes, "attention scratch");
-  gpu::memset_async(attn_scratch, 0, attn_scratch_bytes, stream);  // its counters start at zero
   if ((static_cast<int64_t>(c.n_head) * c.head_dim_v) % 256 == 0)
     att_q = dev_bytes(row_bytes(DType::Q8_K, aw) * vec_tokens, "activations");
   // The upload ring for host experts streamed during prefill (sized as the plan assumed).
   if (c.n_expert) {
-    stage_bytes = shape.expert_bytes * eng.chunk_experts;
+    stage_bytes = shape.expert_bytes * chunk_experts;
+    if (shape.host_experts)
+      for (int b = 0; b < kPrefillStageSlots; ++b) stage[b] = dev_bytes(stage_bytes, "expert upload staging");
+    offsets = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * (E + 1), "routing tables"));
+  }
+  epoch_dev = static_cast<unsigned*>(dev_bytes(sizeof(unsigned), "activations"));
+  gpu_slots = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * vec_rows, "routing tables"));
+  if (c.n_expert) {
+    xp = dev_floats(n, "activations");
+    plogits = dev_floats(E, "activations");
+    pwts = dev_floats(k, "activations");
+    pids = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * k, "activations"));
+    pred_done = static_cast<unsigned*>(dev_bytes(sizeof(unsigned), "activations"));
+  }
+}
+
+uint64_t Workspace::device_bytes(const ModelConfig& c, const WorkspaceShape& shape, int chunk_experts) {
+  Workspace counter(nullptr);
+  counter.reserve_device(c, shape, chunk_experts);
+  return counter.counted_;
+}
+
+void Workspace::allocate(Engine& eng, const WorkspaceShape& shape) {
+  const ModelConfig& c = eng.c;
+  void* const stream = eng.stream;
+  reserve_device(c, shape, eng.chunk_experts);
+  const int U = ub, E = std::max(c.n_expert, 1), k = std::max(c.n_expert_used, 1);
+  const int64_t n = c.n_embd, qw = static_cast<int64_t>(c.n_head) * c.head_dim,
+                aw = static_cast<int64_t>(c.n_head) * c.head_dim_v;
+  const int64_t ff = std::max<int64_t>({c.n_ff_exp, c.n_ff, 1});
+  const int64_t slots = c.n_expert ? static_cast<int64_t>(U) * k : U;
+  const int64_t vec_tokens = std::min<int64_t>(U, gpu::kMaxVecTokens);
+  const int64_t vec_rows = c.n_expert ? vec_tokens * k : vec_tokens;
+  // act_row[j] = j / k (slot -> token) and ident[j] = j, constant.
+  std::vector<int32_t> rows(static_cast<size_t>(slots)), identity(static_cast<size_t>(slots));
+  for (int64_t j = 0; j < slots; ++j) rows[j] = static_cast<int32_t>(j / k), identity[j] = static_cast<int32_t>(j);
+  gpu::memset_async(route_done, 0, sizeof(unsigned), stream);
+  gpu::copy_h2d(act_row, rows.data(), sizeof(int32_t) * slots, stream);
+  gpu::copy_h2d(ident, identity.data(), sizeof(int32_t) * slots, stream);
+  gpu::memset_async(attn_scratch, 0, attn_scratch_bytes, stream);  // its counters start at zero
+  if (c.n_expert) {
     if (shape.host_experts)
       for (int b = 0; b < kPrefillStageSlots; ++b) {
-        stage[b] = dev_bytes(stage_bytes, "expert upload staging");
         ev_free[b] = gpu::create_event();
         ev_filled[b] = gpu::create_event();
         gpu::record_event(ev_free[b], stream);  // every buffer starts free
       }
-    offsets = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * (E + 1), "routing tables"));
     copy_stream = gpu::create_stream();
   }
   h_x = host<float>(static_cast<size_t>(U) * n);
@@ -149,25 +184,18 @@ void Workspace::allocate(Engine& eng, const WorkspaceShape& shape) {
   flags_dev = static_cast<const unsigned*>(gpu::device_view(h_flags));
   ey_slots_dev = static_cast<const float*>(gpu::device_view(h_ey_slots));
   h_epoch = host<unsigned>(1);
-  epoch_dev = static_cast<unsigned*>(dev_bytes(sizeof(unsigned), "activations"));
   h_route_flags = host<unsigned>(c.n_layer);
   std::memset(h_route_flags, 0, sizeof(unsigned) * c.n_layer);
   route_flags_dev = static_cast<unsigned*>(gpu::device_view(h_route_flags));
   route_pub.ids = static_cast<int32_t*>(gpu::device_view(h_ids));
   route_pub.x = static_cast<float*>(gpu::device_view(h_xn));
   route_pub.epoch = epoch_dev;
-  gpu_slots = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * vec_rows, "routing tables"));
   h_gpu_slots = host<int32_t>(vec_rows);
   route_pub.gpu_slots = gpu_slots;
   route_pub.host_gpu_slots = static_cast<int32_t*>(gpu::device_view(h_gpu_slots));
   route_pub.k = c.n_expert_used;
   route_pub.n_expert = c.n_expert;
   if (c.n_expert) {
-    xp = dev_floats(n, "activations");
-    plogits = dev_floats(E, "activations");
-    pwts = dev_floats(k, "activations");
-    pids = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * k, "activations"));
-    pred_done = static_cast<unsigned*>(dev_bytes(sizeof(unsigned), "activations"));
     gpu::memset_async(pred_done, 0, sizeof(unsigned), stream);
     h_pred_ids = host<int32_t>(static_cast<size_t>(c.n_layer) * k);
     h_pred_flags = host<unsigned>(c.n_layer);

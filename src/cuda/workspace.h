@@ -41,13 +41,16 @@ struct WorkspaceShape {
 };
 
 struct Workspace {
-  explicit Workspace(DeviceMemory& mem) : mem_(mem) {}
+  explicit Workspace(DeviceMemory* mem) : mem_(mem) {}
   ~Workspace();
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
 
   // Allocates (through the accountant) and initialises every buffer below, on e.stream, and waits.
   void allocate(Engine& e, const WorkspaceShape& shape);
+  // The device bytes allocate() takes from the accountant for this shape (the same code, counting): what
+  // the plan's estimate of the GPU scratch (gpu_scratch_bytes in src/runtime/plan.cpp) should be.
+  static uint64_t device_bytes(const ModelConfig& c, const WorkspaceShape& shape, int chunk_experts);
 
   float* dev_floats(size_t n, const char* what) { return static_cast<float*>(dev_bytes(n * sizeof(float), what)); }
   void* dev_bytes(size_t n, const char* what);
@@ -123,7 +126,9 @@ struct Workspace {
   cpu::Scratch cpu_scratch;
 
  private:
-  DeviceMemory& mem_;
+  void reserve_device(const ModelConfig& c, const WorkspaceShape& shape, int chunk_experts);
+  DeviceMemory* mem_;  // null: only counting (device_bytes)
+  uint64_t counted_ = 0;
   std::vector<void*> owned_, pinned_;
 };
 
