@@ -63,7 +63,7 @@ struct Workspace {
   int ub = 0;
   // Device scratch.
   float *x = nullptr, *xn = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *att = nullptr, *y = nullptr;
-  float* y_attn = nullptr;  // the attention output when its residual add is deferred (MoeDecode::folds_norm)
+  float* y_attn = nullptr;  // the attention output when its residual add is deferred (MoeExecutor::folds_norm)
   float *rlogits = nullptr, *wts = nullptr, *g = nullptr, *u = nullptr, *ey = nullptr, *logits = nullptr;
   int32_t *ids = nullptr, *pos = nullptr, *tokens = nullptr, *act_row = nullptr, *ident = nullptr, *idx_a = nullptr,
           *idx_b = nullptr;
