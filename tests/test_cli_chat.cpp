@@ -114,3 +114,16 @@ TEST(ChatCli, RandomSamplingPrintsItsSeedAndTheSeedRepeatsTheConversation) {
   r = run_fitmoe("chat -m " + model() + " -c 128 -n 2 --temp 0", "hello\n");
   EXPECT_EQ(r.err.find("seed: "), std::string::npos) << r.err;
 }
+
+TEST(ChatCli, RecurrentModelKeepsTheConversationAcrossTurnsAndDrops) {
+  // qwen35moe (DeltaNet layers: a state that is restored from checkpoints, not cut back): several turns
+  // in a small context, so that old turns are dropped and the state is rewound, in a second run too.
+  const std::string m = fitmoe::test::testdata("qwen35moe-tiny/qwen35moe-tiny-q4_k_m.gguf");
+  const std::string input = "hello there\nhow are you today\ntell me about cats and boats\nand one more message\nlast\n";
+  auto a = run_fitmoe("chat -m " + m + " -c 128 -n 12 --temp 0", input);
+  auto b = run_fitmoe("chat -m " + m + " -c 128 -n 12 --temp 0", input);
+  EXPECT_EQ(a.code, 0) << a.err;
+  EXPECT_EQ(count(a.err, " prompt tokens at "), 5) << a.err;
+  EXPECT_NE(a.err.find("(context full: dropped the oldest "), std::string::npos) << a.err;
+  EXPECT_EQ(a.out, b.out);
+}

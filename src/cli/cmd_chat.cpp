@@ -277,6 +277,9 @@ void register_chat(CLI::App& app) {
           // Put the end-of-turn token into the cache too, so the next turn continues from the template's
           // own text of this one.
           s.eval(std::span<const int32_t>(&last, 1), 0);
+          // A recurrent state (qwen35) cannot be cut back like a KV cache: keep it here, where the next
+          // turn continues, so that turn evaluates only its own text.
+          s.checkpoint();
           const std::string rendered = apply_chat_template(*tok, msgs, false, extra);
           const std::string eot = tok->token_piece(last);
           const size_t at = rendered.rfind(eot);
