@@ -313,3 +313,16 @@ TEST(Plan, CpuPredictionFollowsTheCpuKernelsRates) {
   // one-token rate (flops / 8 here) it alone would bound the prompt below this; once per batch it does not.
   EXPECT_GT(a.predicted_pp, 100e9 / 8 / (2.0 * 1024 * 256));
 }
+
+TEST(Plan, RecurrentModelChargesKvOnlyForAttentionLayersAndItsFixedState) {
+  // qwen35moe-tiny: blk.0 DeltaNet, blk.1 full attention (1 KV head of 64): KV for one layer only,
+  // plus the DeltaNet's conv and delta state with its checkpoints, as the states allocate.
+  PlanOptions po;
+  po.use_gpu = false;
+  po.n_ctx = 1000;
+  const Plan p = plan_for(po, 8ull << 30, test::testdata("qwen35moe-tiny/qwen35moe-tiny-f32.gguf"));
+  const uint64_t kv_per_pos = 1 * (64 + 64) * 2;  // f16 K and V rows of one layer
+  EXPECT_GT(p.state_bytes, 0u);
+  EXPECT_EQ(p.host_kv, kv_per_pos * 1000 + p.state_bytes);
+  EXPECT_NE(p.report().find("recurrent state"), std::string::npos);
+}

@@ -67,7 +67,14 @@ std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
   if (machine.host_available_bytes == 0) machine.host_available_bytes = host_memory_available();
   PlanOptions plan_opt = opt.plan;
   plan_opt.use_mmap = opt.use_mmap;
+  // An architecture without a GPU forward pass is planned for the CPU, so that its plan (memory map,
+  // predicted speed) is the one that runs.
+  const bool gpu_refused = plan_opt.use_gpu && machine.gpu_free_bytes > 0 && !model->has_gpu_forward();
+  if (gpu_refused) plan_opt.use_gpu = false;
   model->plan_ = make_plan(*file, model->cfg_, plan_opt, machine);
+  if (gpu_refused)
+    for (std::string& n : model->plan_.notes)
+      if (n == "--gpu none: everything runs on the CPU") n = model->cfg_.arch + " has no GPU forward pass yet: everything runs on the CPU";
   if (opt.plan_only) return model;
   if (opt.before_weights) opt.before_weights(*model);
 

@@ -97,7 +97,7 @@ class ModelState {
 struct StateOptions {
   int n_ctx = 4096;
   DType kv_type = DType::F16;  // F16 (default, as the reference) or F32
-  int max_checkpoints = 4;     // recurrent states: the newest this many checkpoints are kept
+  int max_checkpoints = kStateCheckpoints;  // recurrent states: the newest this many checkpoints are kept (4)
 };
 
 // Hybrid decode's routing guesses (GPU runs with host-resident experts): hybrid layer steps decoded,
@@ -149,6 +149,9 @@ class Model {
   // Called by load() after planning: an architecture with a GPU path uploads its device-resident
   // weights here. The default refuses, so an architecture without one falls back to the CPU.
   virtual bool init_gpu(const LoadOptions& opt) { return false; }
+  // Whether the architecture has a GPU forward pass (in a CUDA build): the plan of one without is for the
+  // CPU; a build without CUDA still plans GPU placements (`fitmoe plan --vram 8G` for another machine).
+  virtual bool has_gpu_forward() const { return false; }
 
   std::shared_ptr<gguf::File> file_;
   ModelConfig cfg_;

@@ -212,6 +212,7 @@ class Qwen3Model final : public Model {
   }
 
  protected:
+  bool has_gpu_forward() const override { return true; }
   bool init_gpu(const LoadOptions& opt) override {
 #if FITMOE_CUDA
     gpu_ = make_qwen3_gpu(w_, cfg_, plan_, opt);

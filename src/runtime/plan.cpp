@@ -7,6 +7,7 @@
 #include <regex>
 #include <sstream>
 
+#include "model/layer_spec.h"
 #include "runtime/error.h"
 
 namespace fitmoe {
@@ -158,9 +159,9 @@ uint64_t gpu_scratch_bytes(const ModelConfig& cfg, int n_ubatch, int n_ctx, uint
 }
 
 uint64_t kv_cache_bytes(const ModelConfig& cfg, int64_t n_ctx, DType kv_type) {
-  const uint64_t es = kv_type == DType::F32 ? 4 : 2;
-  return static_cast<uint64_t>(cfg.n_layer) * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) * es *
-         static_cast<uint64_t>(std::max<int64_t>(n_ctx, 0));
+  // The states allocate from the same layer descriptions (src/model/layer_spec.h); the MTP block's KV
+  // lives in the drafter's own state.
+  return sequence_memory_bytes(cfg, std::max<int64_t>(n_ctx, 0), kv_type, kStateCheckpoints, /*with_mtp=*/false);
 }
 
 namespace {
@@ -247,8 +248,10 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
   const int E = cfg.n_expert, k = cfg.n_expert_used;
 
   // KV cache and scratch first: they are needed whatever else fits.
-  const uint64_t kv_per_token = kv_cache_bytes(cfg, 1, opt.kv_type);
-  p.gpu_kv = kv_per_token * static_cast<uint64_t>(opt.n_ctx);
+  const uint64_t state_fixed = kv_cache_bytes(cfg, 0, opt.kv_type);  // recurrent state and its checkpoints
+  const uint64_t kv_per_token = kv_cache_bytes(cfg, 1, opt.kv_type) - state_fixed;
+  p.gpu_kv = kv_cache_bytes(cfg, opt.n_ctx, opt.kv_type);
+  p.state_bytes = state_fixed;
   uint64_t per_expert = 0;  // one expert's gate + up + down bytes, largest over the layers
   {
     if (E) {
@@ -358,7 +361,8 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
       const int L = cfg.n_layer;
       // Bytes of one expert across its layer's expert tensors.
       std::vector<uint64_t> expert_bytes(L, 0);
-      for (size_t i : expert_idx) expert_bytes[p.tensors[i].layer] += p.tensors[i].bytes / E;
+      for (size_t i : expert_idx)
+        if (p.tensors[i].layer >= 0 && p.tensors[i].layer < L) expert_bytes[p.tensors[i].layer] += p.tensors[i].bytes / E;
       // Manual rules: forced host / forced GPU per layer.
       std::vector<int> forced(L, 0);  // 0 free, -1 host, +1 gpu
       for (int l = 0; l < L; ++l) {
@@ -421,7 +425,7 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
       if (opt.n_cpu_moe || opt.cpu_moe) p.notes.push_back("manual rule applied on top: " + std::string(opt.cpu_moe ? "--cpu-moe" : "--n-cpu-moe " + std::to_string(opt.n_cpu_moe)));
 
       // Bytes per decode token.
-      for (int l = 0; l < L; ++l) {
+      for (int l = 0; l < cfg.n_layer_trunk(); ++l) {  // (an MTP block is read only when drafting)
         const double host_frac = static_cast<double>(E - on_gpu[l]) / E;
         p.host_expert_bytes_per_token += k * expert_bytes[l] * host_frac;
         p.gpu_bytes_per_token += k * expert_bytes[l] * (1 - host_frac);
@@ -431,7 +435,7 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
   // Host memory, planned like VRAM: the weights' copy (pinned for a GPU run), the KV cache of a CPU run
   // and the CPU's activations for a 512-token batch, against what the machine has available.
   p.host_weight_copy = p.use_gpu || !opt.use_mmap ? file.data_bytes() : 0;
-  p.host_kv = p.use_gpu ? 0 : kv_per_token * static_cast<uint64_t>(opt.n_ctx);
+  p.host_kv = p.use_gpu ? 0 : kv_cache_bytes(cfg, opt.n_ctx, opt.kv_type);
   {
     const uint64_t ff = static_cast<uint64_t>(std::max<int64_t>({cfg.n_ff_exp, cfg.n_ff, 1})) * std::max(1, cfg.n_expert_used);
     p.host_scratch = 512ull * 4 * (8ull * cfg.n_embd + 3 * ff + static_cast<uint64_t>(cfg.n_head) * cfg.head_dim * 3) +
@@ -446,7 +450,9 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
       << mem(static_cast<double>(m.host_available_bytes)) << " available";
     const uint64_t other = p.host_weight_copy + p.host_scratch;
     if (p.host_kv && other < m.host_available_bytes) {
-      const uint64_t max_ctx = (m.host_available_bytes - other) / std::max<uint64_t>(kv_per_token, 1);
+      const uint64_t max_ctx = m.host_available_bytes - other > state_fixed
+                                   ? (m.host_available_bytes - other - state_fixed) / std::max<uint64_t>(kv_per_token, 1)
+                                   : 0;
       s << "; a context of at most " << std::min<uint64_t>(max_ctx, 1u << 30) << " tokens would fit";
     }
     if (p.host_weight_copy && !p.use_gpu) s << " (--mmap computes from the file mapping without a copy)";
@@ -454,12 +460,12 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
   }
   if (!p.use_gpu && E > 0) {
     for (auto& t : p.tensors)
-      if (t.is_experts) p.host_expert_bytes_per_token += static_cast<double>(t.bytes) / E * k;
+      if (t.is_experts && t.layer < cfg.n_layer_trunk()) p.host_expert_bytes_per_token += static_cast<double>(t.bytes) / E * k;
   }
   // Non-expert bytes per token (the embedding reads one row).
   double non_expert_tok = 0;
   for (auto& t : p.tensors)
-    if (!t.is_experts && !(t.name == "token_embd.weight" && !tied)) non_expert_tok += static_cast<double>(t.bytes);
+    if (!t.is_experts && t.layer < cfg.n_layer_trunk() && !(t.name == "token_embd.weight" && !tied)) non_expert_tok += static_cast<double>(t.bytes);
 
   // Cost model, mirroring how the GPU engine runs (src/cuda/qwen3_gpu.cpp) and calibrated on the H200
   // measurements in docs/performance.md.
@@ -471,7 +477,7 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
   // the weights and KV at device memory speed), then
   // in a hybrid layer the CPU's share of the chosen experts at host RAM speed plus a synchronisation
   // (the GPU's own experts run meanwhile).
-  const double L = cfg.n_layer;
+  const double L = cfg.n_layer_trunk();
   const double kv_read = static_cast<double>(kv_per_token) * std::min(opt.n_ctx, 1024);  // a typical depth
   if (p.use_gpu) {
     constexpr double kLayerLaunches = 9 * 3.92e-6, kHybridLayerLaunches = 10 * 4.5e-6, kHybridSync = 15e-6;
@@ -485,7 +491,7 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
       host_bytes_of_layer[t.layer] += static_cast<double>(t.bytes) / E * n_host;
       expert_bytes_of_layer[t.layer] += static_cast<double>(t.bytes) / E;
     }
-    for (int l = 0; l < cfg.n_layer; ++l) hybrid_layers += host_experts_of_layer[l] > 0;
+    for (int l = 0; l < cfg.n_layer_trunk(); ++l) hybrid_layers += host_experts_of_layer[l] > 0;
     const double t_gpu = (non_expert_tok + p.gpu_bytes_per_token + kv_read) / m.gpu_mem_bw +
                          (L - hybrid_layers) * kLayerLaunches + hybrid_layers * kHybridLayerLaunches;
     // The host experts' bytes are read by the CPU (host RAM speed) and, for the GPU's share, by the GPU
@@ -507,7 +513,7 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
       else if (t.name.find("ffn_down_exps") != std::string::npos) down_type[t.layer] = ty;
     }
     double gpu_part = 0;  // host-expert bytes per token the GPU reads over the bus
-    for (int l = 0; l < cfg.n_layer; ++l) {
+    for (int l = 0; l < cfg.n_layer_trunk(); ++l) {
       if (!host_experts_of_layer[l] || gate_type[l] != up_type[l] || is_float_type(gate_type[l]) ||
           is_float_type(down_type[l]))
         continue;
@@ -548,11 +554,11 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
     // upload ring) and computing the ones used on the CPU (not overlapped).
     const double B = opt.n_ubatch;
     double params_tok = non_expert_tok / 0.6;  // ~bytes / 0.6 at about 4.8 bits per weight
-    for (int l = 0; l < cfg.n_layer; ++l) params_tok += expert_bytes_of_layer[l] * k / 0.6;
+    for (int l = 0; l < cfg.n_layer_trunk(); ++l) params_tok += expert_bytes_of_layer[l] * k / 0.6;
     const double t_compute = B * 2.0 * params_tok / m.gpu_flops + L * 60e-6;
     double t_stream = 0, t_cpu = 0, streamed_bytes = 0;
     int n_stream = 0, n_cpu = 0;
-    for (int l = 0; l < cfg.n_layer; ++l) {
+    for (int l = 0; l < cfg.n_layer_trunk(); ++l) {
       if (!host_experts_of_layer[l]) continue;
       const HostExpertsCost c = prefill_host_experts_cost(opt, m, opt.n_ubatch, k, E, host_experts_of_layer[l],
                                                           expert_bytes_of_layer[l]);
@@ -594,7 +600,7 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
     double dense_params = 0, expert_params = 0, head_params = 0, batch_bytes = 0;
     for (const auto& t : p.tensors) {
       const gguf::TensorInfo* ti = file.find_tensor(t.name);
-      if (!ti || ti->n_dims < 2) continue;
+      if (!ti || ti->n_dims < 2 || t.layer >= cfg.n_layer_trunk()) continue;
       const double n = static_cast<double>(ti->n_elements());
       if (t.name == head) {
         head_params = n;
@@ -607,7 +613,12 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
       }
     }
     const double per_expert_tokens = E > 0 ? B * k / E : B;
-    const double attn_flops = 4.0 * cfg.n_head * cfg.head_dim * (B / 2) * L;
+    // Per token: attention's dot products over half the batch on average; a DeltaNet's state update
+    // (decay, two products with the state and the rank-one update: about 6 FLOP per state value).
+    double attn_flops = 0;
+    for (const LayerSpec& l : layer_specs(cfg, false))
+      attn_flops += l.is_attention() ? 4.0 * l.attn().n_head * l.attn().head_dim * (B / 2)
+                                     : 6.0 * static_cast<double>(l.delta().delta_state_floats());
     const double t_batch = B * (2 * dense_params / cpu_matmul_rate(m, B) +
                                 2 * k * expert_params / cpu_matmul_rate(m, per_expert_tokens) +
                                 attn_flops / (0.5 * cpu_matmul_rate(m, B))) +
@@ -638,6 +649,13 @@ std::string Plan::summary_line() const {
 
 std::string Plan::report() const {
   std::ostringstream s;
+  // The sequence state of a model with recurrent layers: the KV of its attention layers and the fixed
+  // recurrent state with its checkpoints.
+  auto state_note = [&] {
+    return state_bytes ? "; of which recurrent state " + mem(static_cast<double>(state_bytes)) + " with " +
+                             std::to_string(kStateCheckpoints) + " checkpoints, KV for the attention layers only"
+                       : std::string();
+  };
   s << "machine: " << (machine.gpu_name.empty() ? "no GPU" : machine.gpu_name) << ", GPU memory "
     << gib(static_cast<double>(machine.gpu_free_bytes)) << " free, GPU " << machine.gpu_mem_bw / 1e9 << " GB/s, PCIe "
     << machine.pcie_bw / 1e9 << " GB/s (pinned), host RAM " << machine.host_mem_bw / 1e9 << " GB/s, "
@@ -651,7 +669,8 @@ std::string Plan::report() const {
     s << "\nGPU memory map (budget " << gib(static_cast<double>(budget)) << "):\n";
     s << "  non-expert weights  " << gib(static_cast<double>(gpu_weights)) << "\n";
     s << "  routed experts      " << gib(static_cast<double>(gpu_experts)) << "\n";
-    s << "  KV cache            " << gib(static_cast<double>(gpu_kv)) << "  (" << options.n_ctx << " tokens, " << dtype_name(options.kv_type) << ")\n";
+    s << (state_bytes ? "  KV + state          " : "  KV cache            ") << gib(static_cast<double>(gpu_kv)) << "  ("
+      << options.n_ctx << " tokens, " << dtype_name(options.kv_type) << state_note() << ")\n";
     s << "  scratch             " << gib(static_cast<double>(gpu_scratch)) << "  (micro-batch " << options.n_ubatch << ")\n";
     s << "  CUDA runtime        " << gib(static_cast<double>(reserve))
       << (machine.gpu_runtime_bytes ? "  (context, kernels, cuBLAS: " + gib(static_cast<double>(machine.gpu_runtime_bytes)) +
@@ -667,7 +686,8 @@ std::string Plan::report() const {
   s << "    of which read by the CPU: " << gib(static_cast<double>(host_weights)) << " weights + "
     << gib(static_cast<double>(host_experts)) << " routed experts\n";
   if (!use_gpu)
-    s << "  KV cache            " << gib(static_cast<double>(host_kv)) << "  (" << options.n_ctx << " tokens, " << dtype_name(options.kv_type) << ")\n";
+    s << (state_bytes ? "  KV + state          " : "  KV cache            ") << gib(static_cast<double>(host_kv)) << "  ("
+      << options.n_ctx << " tokens, " << dtype_name(options.kv_type) << state_note() << ")\n";
   s << "  scratch             " << gib(static_cast<double>(host_scratch)) << "\n";
   s << "  total               " << gib(static_cast<double>(host_total())) << "\n";
   s << "\nplacement by tensor class:\n";

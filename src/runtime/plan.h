@@ -91,6 +91,7 @@ struct Plan {
   uint64_t budget = 0;
   uint64_t reserve = 0;               // CUDA context, cuBLAS workspace, fragmentation
   uint64_t gpu_weights = 0, gpu_experts = 0, gpu_kv = 0, gpu_scratch = 0;
+  uint64_t state_bytes = 0;           // of the sequence state (gpu_kv / host_kv): the recurrent part, fixed in size
   uint64_t host_weights = 0, host_experts = 0;
   // What the process allocates in host memory: the weights' copy (the whole file's tensor data, pinned
   // for a GPU run; none with --mmap on the CPU), the KV cache on a CPU run, and the CPU's scratch.
@@ -144,7 +145,10 @@ HostExpertsCost prefill_host_experts_cost(const PlanOptions& opt, const MachineP
 // partials for a context of n_ctx, and the upload ring (expert_bytes: one expert's gate+up+down).
 uint64_t gpu_scratch_bytes(const ModelConfig& cfg, int n_ubatch, int n_ctx, uint64_t expert_bytes, int chunk_experts);
 
-// Bytes of the KV cache of n_ctx positions (every layer's K and V rows of kv_type).
+// Bytes of one sequence's state for n_ctx positions: the KV cache of every attention layer (K and V rows
+// of kv_type) plus the fixed recurrent state of every DeltaNet layer with kStateCheckpoints copies of it
+// (src/model/layer_spec.h: the same figures the states allocate).
+constexpr int kStateCheckpoints = 4;  // StateOptions::max_checkpoints' default
 uint64_t kv_cache_bytes(const ModelConfig& cfg, int64_t n_ctx, DType kv_type);
 
 // MemAvailable / MemTotal from /proc/meminfo (0 where it cannot be read).
