@@ -448,7 +448,7 @@ void register_bench(CLI::App& app) {
         o["routing_guesses_chosen"] = guess_rate;
         o["prefetched_bytes_per_layer_step"] = prefetch_per_layer;
         // The plan's prediction for this kind of test (prompt: at the plan's batch), to hold it to the measurement.
-        o["predicted_ts"] = r.n_gen ? plan.predicted_tg : plan.predicted_pp;
+        o["predicted_ts"] = r.n_gen ? plan.predicted_tg : predicted_prompt_tps(model->file(), cfg, plan, r.n_prompt);
         o["machine"] = {{"host_mem_bw", plan.machine.host_mem_bw}, {"pcie_bw", plan.machine.pcie_bw},
                         {"gpu_mem_bw", plan.machine.gpu_mem_bw}, {"cpu_int8_flops", plan.machine.cpu_int8_flops},
                         {"cpu_decode_bw", plan.machine.cpu_decode_bw}, {"source", plan.machine.source}};

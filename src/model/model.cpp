@@ -60,7 +60,8 @@ std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
 #endif
   if (opt.machine) {
     machine = *opt.machine;
-  } else if (gpu_possible || opt.plan_only) {
+  } else {
+    // (Measured once per machine and cached: the plan's predictions need it on the CPU too.)
     machine = probe_machine(0, gpu_possible);
   }
   if (!opt.plan.use_gpu) machine.gpu_free_bytes = 0;

@@ -217,6 +217,185 @@ int64_t max_gpu_context(const ModelConfig& cfg, const PlanOptions& opt, uint64_t
 }
 }  // namespace
 
+namespace {
+// The cost model: fills p.predicted_tg and p.predicted_pp (for a prompt of n_prompt tokens) from the
+// placement in p and its machine profile, and notes how prefill treats host experts.
+void predict_speed(const gguf::File& file, const ModelConfig& cfg, Plan& p, int n_prompt_tokens) {
+  const PlanOptions& opt = p.options;
+  const MachineProfile& m = p.machine;
+  const int E = cfg.n_expert, k = cfg.n_expert_used;
+  const bool tied = cfg.tied_output;
+  const double n_prompt = std::max(1, n_prompt_tokens);
+  const uint64_t kv_per_token = kv_cache_bytes(cfg, 1, opt.kv_type) - kv_cache_bytes(cfg, 0, opt.kv_type);
+  // Non-expert bytes per token (the embedding reads one row).
+  double non_expert_tok = 0;
+  for (auto& t : p.tensors)
+    if (!t.is_experts && t.layer < cfg.n_layer_trunk() && !(t.name == "token_embd.weight" && !tied)) non_expert_tok += static_cast<double>(t.bytes);
+
+  // Cost model, mirroring how the GPU engine runs (src/cuda/qwen3_gpu.cpp) and calibrated on the H200
+  // measurements in docs/performance.md.
+  // Decode, per layer one after the other: the GPU's kernels (9 dependent kernels on the H200 with
+  // programmatic dependent launch, ~3.92 us each, in a layer whose experts are all on the GPU, where
+  // the router's launch does the FFN norm, the experts' kernel routes for itself and weight rows are
+  // staged before the waits, Q4_K / Q6_K decoded by position: about 457 tok/s measured 2026-12-02 at
+  // b87625c; about 10 of ~4.5 us in a hybrid layer;
+  // the weights and KV at device memory speed), then
+  // in a hybrid layer the CPU's share of the chosen experts at host RAM speed plus a synchronisation
+  // (the GPU's own experts run meanwhile).
+  const double L = cfg.n_layer_trunk();
+  const double kv_read = static_cast<double>(kv_per_token) * std::min(opt.n_ctx, 1024);  // a typical depth
+  if (p.use_gpu) {
+    constexpr double kLayerLaunches = 9 * 3.92e-6, kHybridLayerLaunches = 10 * 4.5e-6, kHybridSync = 15e-6;
+    int hybrid_layers = 0;
+    std::vector<double> host_bytes_of_layer(cfg.n_layer, 0.0), expert_bytes_of_layer(cfg.n_layer, 0.0);
+    std::vector<int> host_experts_of_layer(cfg.n_layer, 0);
+    for (const auto& t : p.tensors) {
+      if (!t.is_experts || t.layer < 0 || t.layer >= cfg.n_layer) continue;
+      const int n_host = static_cast<int>(std::count(t.expert_on_gpu.begin(), t.expert_on_gpu.end(), false));
+      host_experts_of_layer[t.layer] = n_host;
+      host_bytes_of_layer[t.layer] += static_cast<double>(t.bytes) / E * n_host;
+      expert_bytes_of_layer[t.layer] += static_cast<double>(t.bytes) / E;
+    }
+    for (int l = 0; l < cfg.n_layer_trunk(); ++l) hybrid_layers += host_experts_of_layer[l] > 0;
+    const double t_gpu = (non_expert_tok + p.gpu_bytes_per_token + kv_read) / m.gpu_mem_bw +
+                         (L - hybrid_layers) * kLayerLaunches + hybrid_layers * kHybridLayerLaunches;
+    // The host experts' bytes are read by the CPU (host RAM speed) and, for the GPU's share, by the GPU
+    // over PCIe; by default the share makes both take the same time.
+    // The engine takes the share where a token is expected to give the GPU an expert and the kernels
+    // take the expert types (quantized, gate and up of one type).
+    const double hb = p.host_expert_bytes_per_token, zc_bw = kZeroCopyEfficiency * m.pcie_bw;
+    double share = opt.host_experts_gpu_share;
+    if (share < 0) share = zc_bw > 0 && m.host_mem_bw > 0 ? zc_bw / (zc_bw + m.host_mem_bw) : 0;
+    share = std::clamp(share, 0.0, 1.0);
+    std::vector<DType> gate_type(cfg.n_layer, DType::F32), up_type(cfg.n_layer, DType::F32), down_type(cfg.n_layer, DType::F32);
+    for (const auto& t : p.tensors) {
+      if (!t.is_experts || t.layer < 0 || t.layer >= cfg.n_layer) continue;
+      const gguf::TensorInfo* ti = file.find_tensor(t.name);
+      if (!ti) continue;
+      const DType ty = ti->type;
+      if (t.name.find("ffn_gate_exps") != std::string::npos) gate_type[t.layer] = ty;
+      else if (t.name.find("ffn_up_exps") != std::string::npos) up_type[t.layer] = ty;
+      else if (t.name.find("ffn_down_exps") != std::string::npos) down_type[t.layer] = ty;
+    }
+    double gpu_part = 0;  // host-expert bytes per token the GPU reads over the bus
+    for (int l = 0; l < cfg.n_layer_trunk(); ++l) {
+      if (!host_experts_of_layer[l] || gate_type[l] != up_type[l] || is_float_type(gate_type[l]) ||
+          is_float_type(down_type[l]))
+        continue;
+      gpu_part += k * expert_bytes_of_layer[l] * host_experts_of_layer[l] / E *
+                  host_experts_share_taken(share, k, host_experts_of_layer[l], E);
+    }
+    p.host_experts_gpu_share = gpu_part > 0 ? share : 0;
+    // The CPU's part: its bytes at host RAM speed, but no faster than its kernels run on data already
+    // in the caches (kCpuDecodeBytesPerThread per thread: 112 GB/s on 15 threads of the H200 host,
+    // 2026-12-02, bench/expert_prefetch.cpp). While the GPU runs a hybrid layer's attention block
+    // (about its launches' time) the CPU reads the experts the GPU guessed for it, kGuessChosen of them
+    // chosen in the end (74-75% on the H200 host): in every hybrid layer whose layer before is hybrid
+    // too (the guess comes from there) those bytes then cost only the kernels' time. (The same benchmark: 15.3 MB of experts in 202 us cold, 137 us
+    // cached, 186 us with 4 MB of them read ahead: the parts add up.)
+    constexpr double kCpuDecodeBytesPerThread = 7.5e9, kGuessChosen = 0.75;
+    const double cpu_bytes = hb - gpu_part;
+    const double cpu_bw = std::max(1, m.cpu_threads) * kCpuDecodeBytesPerThread;
+    int guessed_layers = 0;
+    for (int l = 1; l < cfg.n_layer; ++l) guessed_layers += host_experts_of_layer[l] > 0 && host_experts_of_layer[l - 1] > 0;
+    const double read_ahead =
+        hybrid_layers > 0 ? std::min(cpu_bytes * guessed_layers / hybrid_layers,
+                                     guessed_layers * kGuessChosen * kHybridLayerLaunches * m.host_mem_bw)
+                          : 0.0;
+    const double t_cpu_experts = (cpu_bytes - read_ahead) / std::min(m.host_mem_bw, cpu_bw) + read_ahead / cpu_bw;
+    const double t_host = std::max(t_cpu_experts, zc_bw > 0 ? gpu_part / zc_bw : 0.0) + hybrid_layers * kHybridSync;
+    if (gpu_part > 0) {
+      char buf[340];
+      std::snprintf(buf, sizeof buf,
+                    "decode: the GPU computes part of each token's chosen host-resident experts (share %.2f: about "
+                    "%.0f%% of their bytes), reading their weights over PCIe (~%.0f GB/s), while the CPU computes the "
+                    "rest (~%.0f GB/s) (--host-experts-gpu-share overrides)",
+                    share, 100 * gpu_part / hb, zc_bw / 1e9, m.host_mem_bw / 1e9);
+      p.notes.push_back(buf);
+    }
+    p.predicted_tg = 1.0 / (t_gpu + t_host);
+    // Prefill of one micro-batch of B tokens: the GPU's products, and per layer with host experts the
+    // engine's choice between streaming all of them over PCIe (overlapped with the products by the
+    // upload ring) and computing the ones used on the CPU (not overlapped).
+    // A prompt of n_prompt tokens runs in micro-batches of at most n_ubatch.
+    const double B = std::min(n_prompt, static_cast<double>(std::max(1, opt.n_ubatch)));
+    const double n_batches = std::ceil(n_prompt / B);
+    double params_tok = non_expert_tok / 0.6;  // ~bytes / 0.6 at about 4.8 bits per weight
+    for (int l = 0; l < cfg.n_layer_trunk(); ++l) params_tok += expert_bytes_of_layer[l] * k / 0.6;
+    const double t_compute = B * 2.0 * params_tok / m.gpu_flops + L * 60e-6;
+    double t_stream = 0, t_cpu = 0, streamed_bytes = 0;
+    int n_stream = 0, n_cpu = 0;
+    for (int l = 0; l < cfg.n_layer_trunk(); ++l) {
+      if (!host_experts_of_layer[l]) continue;
+      const HostExpertsCost c = prefill_host_experts_cost(opt, m, static_cast<int>(B), k, E, host_experts_of_layer[l],
+                                                          expert_bytes_of_layer[l]);
+      if (c.stream) {
+        // (Copies that wait for the layer's routing are counted as not overlapped.)
+        (c.after_routing ? t_cpu : t_stream) += c.upload_s;
+        streamed_bytes += host_bytes_of_layer[l] * (c.after_routing ? c.used_fraction : 1.0);  // used ones only when it waits
+        ++n_stream;
+      } else {
+        t_cpu += c.cpu_s;
+        ++n_cpu;
+      }
+    }
+    p.predicted_pp = n_prompt / (n_batches * (std::max(t_compute, t_stream) + t_cpu));
+    if (n_stream || n_cpu) {
+      char buf[400];
+      std::snprintf(buf, sizeof buf,
+                    "prefill, per %d-token micro-batch: %d layers stream their host experts to the GPU (%s, %.0f ms "
+                    "over PCIe, overlapped with about %.0f ms of GPU products), %d layers compute theirs on the CPU "
+                    "(%.0f ms); the cost model picks per layer (--prefill-experts overrides)",
+                    static_cast<int>(B), n_stream, gib(streamed_bytes).c_str(), t_stream * 1e3, t_compute * 1e3, n_cpu,
+                    t_cpu * 1e3);
+      p.notes.push_back(buf);
+    }
+  } else {
+    // CPU only, from the CPU kernels' own rates on this machine (probe_machine). Decode: every byte a
+    // token reads (non-expert weights, k experts per layer, the KV of a typical depth) at the rate of the
+    // one-token kernel over weights in RAM, plus each layer's fixed cost (about ten parallel steps of
+    // the thread pool and the small ops between them).
+    constexpr double kCpuLayerFixed = 30e-6;
+    const double bw = m.cpu_decode_bw > 0 ? m.cpu_decode_bw : 0.9 * m.host_mem_bw;
+    p.predicted_tg = 1.0 / ((non_expert_tok + p.host_expert_bytes_per_token + kv_read) / bw + L * kCpuLayerFixed);
+    // Prefill of one batch of n_prompt tokens (512 for the plan: what a session evaluates at once): each product at the kernel's
+    // rate for the tokens it multiplies (the batch for attention and dense weights, batch * k / E for a
+    // routed expert), the output head for the last token only, every weight read from RAM once per
+    // batch, and attention's dot products over the causal context (f32, about half the int8 rate).
+    const double B = n_prompt;  // (the CPU runs a prompt as one batch)
+    const std::string head = tied ? "token_embd.weight" : "output.weight";
+    double dense_params = 0, expert_params = 0, head_params = 0, batch_bytes = 0;
+    for (const auto& t : p.tensors) {
+      const gguf::TensorInfo* ti = file.find_tensor(t.name);
+      if (!ti || ti->n_dims < 2 || t.layer >= cfg.n_layer_trunk()) continue;
+      const double n = static_cast<double>(ti->n_elements());
+      if (t.name == head) {
+        head_params = n;
+      } else if (t.is_experts) {
+        expert_params += n / E;  // one expert's
+        batch_bytes += static_cast<double>(t.bytes) * (1 - std::pow(1 - static_cast<double>(k) / E, B));
+      } else if (t.name != "token_embd.weight") {
+        dense_params += n;
+        batch_bytes += static_cast<double>(t.bytes);
+      }
+    }
+    const double per_expert_tokens = E > 0 ? B * k / E : B;
+    // Per token: attention's dot products over half the batch on average; a DeltaNet's state update
+    // (decay, two products with the state and the rank-one update: about 6 FLOP per state value).
+    double attn_flops = 0;
+    for (const LayerSpec& l : layer_specs(cfg, false))
+      attn_flops += l.is_attention() ? 4.0 * l.attn().n_head * l.attn().head_dim * (B / 2)
+                                     : 6.0 * static_cast<double>(l.delta().delta_state_floats());
+    const double t_batch = B * (2 * dense_params / cpu_matmul_rate(m, B) +
+                                2 * k * expert_params / cpu_matmul_rate(m, per_expert_tokens) +
+                                attn_flops / (0.5 * cpu_matmul_rate(m, B))) +
+                           2 * head_params / cpu_matmul_rate(m, 1) + batch_bytes / std::max(1.0, m.host_mem_bw);
+    p.predicted_pp = B / t_batch;
+  }
+}
+
+}  // namespace
+
 Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions& opt_in, const MachineProfile& m) {
   if (opt_in.n_ubatch <= 0) {
     // Automatic micro-batch on the GPU: 2048 tokens, unless 512 would keep every expert on the GPU and
@@ -462,170 +641,14 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
     for (auto& t : p.tensors)
       if (t.is_experts && t.layer < cfg.n_layer_trunk()) p.host_expert_bytes_per_token += static_cast<double>(t.bytes) / E * k;
   }
-  // Non-expert bytes per token (the embedding reads one row).
-  double non_expert_tok = 0;
-  for (auto& t : p.tensors)
-    if (!t.is_experts && t.layer < cfg.n_layer_trunk() && !(t.name == "token_embd.weight" && !tied)) non_expert_tok += static_cast<double>(t.bytes);
-
-  // Cost model, mirroring how the GPU engine runs (src/cuda/qwen3_gpu.cpp) and calibrated on the H200
-  // measurements in docs/performance.md.
-  // Decode, per layer one after the other: the GPU's kernels (9 dependent kernels on the H200 with
-  // programmatic dependent launch, ~3.92 us each, in a layer whose experts are all on the GPU, where
-  // the router's launch does the FFN norm, the experts' kernel routes for itself and weight rows are
-  // staged before the waits, Q4_K / Q6_K decoded by position: about 457 tok/s measured 2026-12-02 at
-  // b87625c; about 10 of ~4.5 us in a hybrid layer;
-  // the weights and KV at device memory speed), then
-  // in a hybrid layer the CPU's share of the chosen experts at host RAM speed plus a synchronisation
-  // (the GPU's own experts run meanwhile).
-  const double L = cfg.n_layer_trunk();
-  const double kv_read = static_cast<double>(kv_per_token) * std::min(opt.n_ctx, 1024);  // a typical depth
-  if (p.use_gpu) {
-    constexpr double kLayerLaunches = 9 * 3.92e-6, kHybridLayerLaunches = 10 * 4.5e-6, kHybridSync = 15e-6;
-    int hybrid_layers = 0;
-    std::vector<double> host_bytes_of_layer(cfg.n_layer, 0.0), expert_bytes_of_layer(cfg.n_layer, 0.0);
-    std::vector<int> host_experts_of_layer(cfg.n_layer, 0);
-    for (const auto& t : p.tensors) {
-      if (!t.is_experts || t.layer < 0 || t.layer >= cfg.n_layer) continue;
-      const int n_host = static_cast<int>(std::count(t.expert_on_gpu.begin(), t.expert_on_gpu.end(), false));
-      host_experts_of_layer[t.layer] = n_host;
-      host_bytes_of_layer[t.layer] += static_cast<double>(t.bytes) / E * n_host;
-      expert_bytes_of_layer[t.layer] += static_cast<double>(t.bytes) / E;
-    }
-    for (int l = 0; l < cfg.n_layer_trunk(); ++l) hybrid_layers += host_experts_of_layer[l] > 0;
-    const double t_gpu = (non_expert_tok + p.gpu_bytes_per_token + kv_read) / m.gpu_mem_bw +
-                         (L - hybrid_layers) * kLayerLaunches + hybrid_layers * kHybridLayerLaunches;
-    // The host experts' bytes are read by the CPU (host RAM speed) and, for the GPU's share, by the GPU
-    // over PCIe; by default the share makes both take the same time.
-    // The engine takes the share where a token is expected to give the GPU an expert and the kernels
-    // take the expert types (quantized, gate and up of one type).
-    const double hb = p.host_expert_bytes_per_token, zc_bw = kZeroCopyEfficiency * m.pcie_bw;
-    double share = opt.host_experts_gpu_share;
-    if (share < 0) share = zc_bw > 0 && m.host_mem_bw > 0 ? zc_bw / (zc_bw + m.host_mem_bw) : 0;
-    share = std::clamp(share, 0.0, 1.0);
-    std::vector<DType> gate_type(cfg.n_layer, DType::F32), up_type(cfg.n_layer, DType::F32), down_type(cfg.n_layer, DType::F32);
-    for (const auto& t : p.tensors) {
-      if (!t.is_experts || t.layer < 0 || t.layer >= cfg.n_layer) continue;
-      const gguf::TensorInfo* ti = file.find_tensor(t.name);
-      if (!ti) continue;
-      const DType ty = ti->type;
-      if (t.name.find("ffn_gate_exps") != std::string::npos) gate_type[t.layer] = ty;
-      else if (t.name.find("ffn_up_exps") != std::string::npos) up_type[t.layer] = ty;
-      else if (t.name.find("ffn_down_exps") != std::string::npos) down_type[t.layer] = ty;
-    }
-    double gpu_part = 0;  // host-expert bytes per token the GPU reads over the bus
-    for (int l = 0; l < cfg.n_layer_trunk(); ++l) {
-      if (!host_experts_of_layer[l] || gate_type[l] != up_type[l] || is_float_type(gate_type[l]) ||
-          is_float_type(down_type[l]))
-        continue;
-      gpu_part += k * expert_bytes_of_layer[l] * host_experts_of_layer[l] / E *
-                  host_experts_share_taken(share, k, host_experts_of_layer[l], E);
-    }
-    p.host_experts_gpu_share = gpu_part > 0 ? share : 0;
-    // The CPU's part: its bytes at host RAM speed, but no faster than its kernels run on data already
-    // in the caches (kCpuDecodeBytesPerThread per thread: 112 GB/s on 15 threads of the H200 host,
-    // 2026-12-02, bench/expert_prefetch.cpp). While the GPU runs a hybrid layer's attention block
-    // (about its launches' time) the CPU reads the experts the GPU guessed for it, kGuessChosen of them
-    // chosen in the end (74-75% on the H200 host): in every hybrid layer whose layer before is hybrid
-    // too (the guess comes from there) those bytes then cost only the kernels' time. (The same benchmark: 15.3 MB of experts in 202 us cold, 137 us
-    // cached, 186 us with 4 MB of them read ahead: the parts add up.)
-    constexpr double kCpuDecodeBytesPerThread = 7.5e9, kGuessChosen = 0.75;
-    const double cpu_bytes = hb - gpu_part;
-    const double cpu_bw = std::max(1, m.cpu_threads) * kCpuDecodeBytesPerThread;
-    int guessed_layers = 0;
-    for (int l = 1; l < cfg.n_layer; ++l) guessed_layers += host_experts_of_layer[l] > 0 && host_experts_of_layer[l - 1] > 0;
-    const double read_ahead =
-        hybrid_layers > 0 ? std::min(cpu_bytes * guessed_layers / hybrid_layers,
-                                     guessed_layers * kGuessChosen * kHybridLayerLaunches * m.host_mem_bw)
-                          : 0.0;
-    const double t_cpu_experts = (cpu_bytes - read_ahead) / std::min(m.host_mem_bw, cpu_bw) + read_ahead / cpu_bw;
-    const double t_host = std::max(t_cpu_experts, zc_bw > 0 ? gpu_part / zc_bw : 0.0) + hybrid_layers * kHybridSync;
-    if (gpu_part > 0) {
-      char buf[340];
-      std::snprintf(buf, sizeof buf,
-                    "decode: the GPU computes part of each token's chosen host-resident experts (share %.2f: about "
-                    "%.0f%% of their bytes), reading their weights over PCIe (~%.0f GB/s), while the CPU computes the "
-                    "rest (~%.0f GB/s) (--host-experts-gpu-share overrides)",
-                    share, 100 * gpu_part / hb, zc_bw / 1e9, m.host_mem_bw / 1e9);
-      p.notes.push_back(buf);
-    }
-    p.predicted_tg = 1.0 / (t_gpu + t_host);
-    // Prefill of one micro-batch of B tokens: the GPU's products, and per layer with host experts the
-    // engine's choice between streaming all of them over PCIe (overlapped with the products by the
-    // upload ring) and computing the ones used on the CPU (not overlapped).
-    const double B = opt.n_ubatch;
-    double params_tok = non_expert_tok / 0.6;  // ~bytes / 0.6 at about 4.8 bits per weight
-    for (int l = 0; l < cfg.n_layer_trunk(); ++l) params_tok += expert_bytes_of_layer[l] * k / 0.6;
-    const double t_compute = B * 2.0 * params_tok / m.gpu_flops + L * 60e-6;
-    double t_stream = 0, t_cpu = 0, streamed_bytes = 0;
-    int n_stream = 0, n_cpu = 0;
-    for (int l = 0; l < cfg.n_layer_trunk(); ++l) {
-      if (!host_experts_of_layer[l]) continue;
-      const HostExpertsCost c = prefill_host_experts_cost(opt, m, opt.n_ubatch, k, E, host_experts_of_layer[l],
-                                                          expert_bytes_of_layer[l]);
-      if (c.stream) {
-        // (Copies that wait for the layer's routing are counted as not overlapped.)
-        (c.after_routing ? t_cpu : t_stream) += c.upload_s;
-        streamed_bytes += host_bytes_of_layer[l] * (c.after_routing ? c.used_fraction : 1.0);  // used ones only when it waits
-        ++n_stream;
-      } else {
-        t_cpu += c.cpu_s;
-        ++n_cpu;
-      }
-    }
-    p.predicted_pp = B / (std::max(t_compute, t_stream) + t_cpu);
-    if (n_stream || n_cpu) {
-      char buf[400];
-      std::snprintf(buf, sizeof buf,
-                    "prefill, per %d-token micro-batch: %d layers stream their host experts to the GPU (%s, %.0f ms "
-                    "over PCIe, overlapped with about %.0f ms of GPU products), %d layers compute theirs on the CPU "
-                    "(%.0f ms); the cost model picks per layer (--prefill-experts overrides)",
-                    opt.n_ubatch, n_stream, gib(streamed_bytes).c_str(), t_stream * 1e3, t_compute * 1e3, n_cpu,
-                    t_cpu * 1e3);
-      p.notes.push_back(buf);
-    }
-  } else {
-    // CPU only, from the CPU kernels' own rates on this machine (probe_machine). Decode: every byte a
-    // token reads (non-expert weights, k experts per layer, the KV of a typical depth) at the rate of the
-    // one-token kernel over weights in RAM, plus each layer's fixed cost (about ten parallel steps of
-    // the thread pool and the small ops between them).
-    constexpr double kCpuLayerFixed = 30e-6;
-    const double bw = m.cpu_decode_bw > 0 ? m.cpu_decode_bw : 0.9 * m.host_mem_bw;
-    p.predicted_tg = 1.0 / ((non_expert_tok + p.host_expert_bytes_per_token + kv_read) / bw + L * kCpuLayerFixed);
-    // Prefill of one 512-token batch (what a session evaluates at once): each product at the kernel's
-    // rate for the tokens it multiplies (the batch for attention and dense weights, batch * k / E for a
-    // routed expert), the output head for the last token only, every weight read from RAM once per
-    // batch, and attention's dot products over the causal context (f32, about half the int8 rate).
-    const double B = 512;
-    const std::string head = tied ? "token_embd.weight" : "output.weight";
-    double dense_params = 0, expert_params = 0, head_params = 0, batch_bytes = 0;
-    for (const auto& t : p.tensors) {
-      const gguf::TensorInfo* ti = file.find_tensor(t.name);
-      if (!ti || ti->n_dims < 2 || t.layer >= cfg.n_layer_trunk()) continue;
-      const double n = static_cast<double>(ti->n_elements());
-      if (t.name == head) {
-        head_params = n;
-      } else if (t.is_experts) {
-        expert_params += n / E;  // one expert's
-        batch_bytes += static_cast<double>(t.bytes) * (1 - std::pow(1 - static_cast<double>(k) / E, B));
-      } else if (t.name != "token_embd.weight") {
-        dense_params += n;
-        batch_bytes += static_cast<double>(t.bytes);
-      }
-    }
-    const double per_expert_tokens = E > 0 ? B * k / E : B;
-    // Per token: attention's dot products over half the batch on average; a DeltaNet's state update
-    // (decay, two products with the state and the rank-one update: about 6 FLOP per state value).
-    double attn_flops = 0;
-    for (const LayerSpec& l : layer_specs(cfg, false))
-      attn_flops += l.is_attention() ? 4.0 * l.attn().n_head * l.attn().head_dim * (B / 2)
-                                     : 6.0 * static_cast<double>(l.delta().delta_state_floats());
-    const double t_batch = B * (2 * dense_params / cpu_matmul_rate(m, B) +
-                                2 * k * expert_params / cpu_matmul_rate(m, per_expert_tokens) +
-                                attn_flops / (0.5 * cpu_matmul_rate(m, B))) +
-                           2 * head_params / cpu_matmul_rate(m, 1) + batch_bytes / std::max(1.0, m.host_mem_bw);
-    p.predicted_pp = B / t_batch;
-  }
+  predict_speed(file, cfg, p, p.use_gpu ? opt.n_ubatch : 512);
   return p;
+}
+
+double predicted_prompt_tps(const gguf::File& file, const ModelConfig& cfg, const Plan& plan, int n_tokens) {
+  Plan q = plan;
+  predict_speed(file, cfg, q, n_tokens);
+  return q.predicted_pp;
 }
 
 std::string Plan::summary_line() const {

@@ -168,6 +168,10 @@ void check_host_memory(uint64_t bytes, const std::string& what);
 // the non-expert weights plus a minimal KV cache, saying how much is needed.
 Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions& opt, const MachineProfile& m);
 
+// The plan's predicted prompt speed (tok/s) for a prompt of n_tokens (Plan::predicted_pp is it for
+// one micro-batch on the GPU, a 512-token batch on the CPU).
+double predicted_prompt_tps(const gguf::File& file, const ModelConfig& cfg, const Plan& plan, int n_tokens);
+
 // "8G", "7.5GiB", "8192M", "500MB" -> bytes (G, M, K are binary; a bare number is bytes). Throws Error.
 uint64_t parse_size(const std::string& s);
 std::vector<TensorOverride> parse_overrides(const std::vector<std::string>& args);  // "REGEX=cpu|cuda0"

@@ -58,7 +58,10 @@ std::unique_ptr<Model> load_gpu(const std::string& path, const std::string& mode
     probe.plan_only = true;
     auto p = Model::load(path, probe);
     const Plan& full = p->plan();
-    lo.plan.vram_budget = full.gpu_weights + full.gpu_kv + full.gpu_scratch + full.reserve + full.gpu_experts / 2;
+    // (A budget from the card's free memory leaves the CUDA runtime's start-up share out of the reserve,
+    // as free memory was read with it up; an explicit budget reserves it too.)
+    lo.plan.vram_budget = full.gpu_weights + full.gpu_kv + full.gpu_scratch + full.reserve +
+                          full.machine.gpu_runtime_bytes + full.gpu_experts / 2;
   }
   auto m = Model::load(path, lo);
   EXPECT_TRUE(m->on_gpu()) << mode;
