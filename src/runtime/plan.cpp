@@ -124,7 +124,7 @@ HostExpertsCost prefill_host_experts_cost(const PlanOptions& opt, const MachineP
 }
 
 uint64_t gpu_scratch_bytes(const ModelConfig& cfg, int n_ubatch, int n_ctx, uint64_t expert_bytes, int chunk_experts) {
-  // Mirrors the GPU engine's allocate_scratch (src/cuda/qwen3_gpu.cpp): each buffer, rounded up to the
+  // Mirrors the GPU engine's Workspace (src/cuda/workspace.cpp, whose Workspace::device_bytes a test holds this to): each buffer, rounded up to the
   // accountant's 256-byte alignment, then 5% for what the estimate does not see.
   const uint64_t U = static_cast<uint64_t>(std::max(1, n_ubatch));
   const uint64_t E = static_cast<uint64_t>(std::max(cfg.n_expert, 1)), k = static_cast<uint64_t>(std::max(cfg.n_expert_used, 1));
@@ -232,7 +232,7 @@ void predict_speed(const gguf::File& file, const ModelConfig& cfg, Plan& p, int 
   for (auto& t : p.tensors)
     if (!t.is_experts && t.layer < cfg.n_layer_trunk() && !(t.name == "token_embd.weight" && !tied)) non_expert_tok += static_cast<double>(t.bytes);
 
-  // Cost model, mirroring how the GPU engine runs (src/cuda/qwen3_gpu.cpp) and calibrated on the H200
+  // Cost model, mirroring how the GPU engine runs (src/cuda/step_driver.cpp, moe_decode.cpp, moe_prefill.cpp) and calibrated on the H200
   // measurements in docs/performance.md.
   // Decode, per layer one after the other: the GPU's kernels (9 dependent kernels on the H200 with
   // programmatic dependent launch, ~3.92 us each, in a layer whose experts are all on the GPU, where

@@ -113,7 +113,7 @@ struct Plan {
 };
 
 // Prefill streams host-resident experts to the GPU through a ring of this many staging buffers of
-// PlanOptions::prefill_chunk_experts experts each (src/cuda/qwen3_gpu.cpp); the plan reserves them.
+// PlanOptions::prefill_chunk_experts experts each (src/cuda/moe_prefill.cpp); the plan reserves them.
 constexpr int kPrefillStageSlots = 6;
 
 // Decode's GPU share of one layer's host-resident experts (n_host of n_expert, k chosen per token): a
