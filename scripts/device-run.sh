@@ -129,11 +129,11 @@ if want hybrid; then
     done
   fi
   ARGS=${HYB_ARGS:---vram 8G -p 0 -n 128 -r 3}
-  IFS=';' read -ra cfgs <<< "${HYB_TOGGLES:-guess|;noguess|FITMOE_PREDICT=0}"
+  IFS=';' read -ra cfgs <<< "${HYB_TOGGLES:-guess|;noguess|--no-routing-guess}"
   for round in $(seq "${ROUNDS:-2}"); do
     for cfg in "${cfgs[@]}"; do
-      name=${cfg%%|*}; envs=${cfg#*|}
-      env FITMOE_HOST_PROFILE=1 $envs "$BIN/fitmoe" bench -m "$MODEL" $ARGS > "$OUT/hyb.out" 2> "$OUT/hyb.err"
+      name=${cfg%%|*}; envs=${cfg#*|}  # (fitmoe flags)
+      FITMOE_HOST_PROFILE=1 "$BIN/fitmoe" bench -m "$MODEL" $ARGS $envs > "$OUT/hyb.out" 2> "$OUT/hyb.err"
       r=$(grep '^|' "$OUT/hyb.out" | tail -n +3 | awk -F'|' '{printf "%s %s tok/s, bound %s; ", $7, $8, $11}')
       line="hybrid $name ($envs) round $round: $r"
       echo "$line"; summary+=("$line")
@@ -188,7 +188,7 @@ fi
 if want ncu; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
   NCU="ncu --clock-control none --cache-control ${NCU_CACHE:-none} --metrics gpu__time_duration.sum --print-summary per-kernel --csv"
-  FITMOE_NO_GRAPHS=1 $NCU "$BIN/fitmoe" bench -m "$MODEL" -p 0 -n 1 -r 1 > "$OUT/ncu-fitmoe.csv" 2> "$OUT/ncu-fitmoe.err"
+  $NCU "$BIN/fitmoe" bench -m "$MODEL" --no-decode-graphs -p 0 -n 1 -r 1 > "$OUT/ncu-fitmoe.csv" 2> "$OUT/ncu-fitmoe.err"
   tail -n 3 "$OUT/ncu-fitmoe.err"
   unpack_bins refbin/*
   if [ -x "$BIN/llama-bench" ]; then
@@ -207,12 +207,12 @@ fi
 if want ncu-detail; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
   K=${NCU_KERNELS:-attn_dec_group|router_topk|mmvq_kernel|residual_norm}
-  FITMOE_NO_GRAPHS=1 ncu --clock-control none --cache-control all --kernel-name "regex:$K" --launch-skip "${NCU_SKIP:-400}" \
+  ncu --clock-control none --cache-control all --kernel-name "regex:$K" --launch-skip "${NCU_SKIP:-400}" \
     --launch-count "${NCU_COUNT:-24}" --section SpeedOfLight --section LaunchStats --section Occupancy \
     --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters \
     --metrics 'regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$' \
     --import-source no --page details --print-summary none \
-    "$BIN/fitmoe" bench -m "$MODEL" -p 0 -n 8 -r 1 > "$OUT/ncu-detail.txt" 2> "$OUT/ncu-detail.err"
+    "$BIN/fitmoe" bench -m "$MODEL" --no-decode-graphs -p 0 -n 8 -r 1 > "$OUT/ncu-detail.txt" 2> "$OUT/ncu-detail.err"
   tail -n 3 "$OUT/ncu-detail.err"
   grep -E '^  [a-z_].*\(|Duration|Registers Per|Achieved Occupancy|Memory Throughput|stalled|No Eligible|Issued Warp' \
     "$OUT/ncu-detail.txt" | head -n 200  # (the whole report comes back in $OUT/ncu-detail.txt)
@@ -224,11 +224,11 @@ fi
 # $OUT/ncu-source.csv; the instructions with the most stall samples are printed.
 if want ncu-source; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 3
-  FITMOE_NO_GRAPHS=1 ncu --clock-control none --cache-control none --kernel-name "regex:${NCU_KERNEL:-attn_dec_group}" \
+  ncu --clock-control none --cache-control none --kernel-name "regex:${NCU_KERNEL:-attn_dec_group}" \
     --warp-sampling-interval "${NCU_SAMPLING:-0}" \
     --launch-skip "${NCU_SKIP:-2000}" --launch-count 1 --section SourceCounters --section WarpStateStats \
     --import-source no --page source --print-source sass --csv \
-    "$BIN/fitmoe" bench -m "$MODEL" -p 0 -n 64 -r 1 > "$OUT/ncu-source.csv" 2> "$OUT/ncu-source.err"
+    "$BIN/fitmoe" bench -m "$MODEL" --no-decode-graphs -p 0 -n 64 -r 1 > "$OUT/ncu-source.csv" 2> "$OUT/ncu-source.err"
   tail -n 3 "$OUT/ncu-source.err"
   python3 - "$OUT/ncu-source.csv" <<'PY'
 import csv, sys

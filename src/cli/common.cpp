@@ -109,6 +109,11 @@ void add_model_options(CLI::App& app, ModelOptions& o, bool with_ctx) {
                  "decode: the part of the chosen host-resident experts the GPU computes, reading their weights "
                  "over PCIe while the CPU computes the rest (0: the CPU does all; -1: from the bandwidths)")
       ->check(CLI::IsMember({"-1"}) | between(0.0, 1.0));
+  // For profilers and comparisons: the defaults are what measurements chose (docs/performance.md).
+  app.add_flag("--no-decode-graphs", o.no_decode_graphs,
+               "decode without CUDA graphs (the same kernels launched one by one, e.g. for a kernel profiler)");
+  app.add_flag("--no-routing-guess", o.no_routing_guess,
+               "hybrid decode: no guess of the next layer's routing and no read-ahead of its host experts");
   // llama.cpp's spellings (main() turns -ngl / -fa / -ub into these long names).
   app.add_option("--n-gpu-layers,--gpu-layers", o.n_gpu_layers,
                  "llama.cpp's -ngl: 0 runs on the CPU (as --gpu none); otherwise placement is automatic within --vram")
@@ -149,6 +154,8 @@ LoadOptions load_options(const ModelOptions& o) {
   lo.plan.overrides = parse_overrides(o.overrides);
   lo.plan.prefill_host_experts = o.prefill_experts;
   lo.plan.host_experts_gpu_share = o.gpu_share;
+  lo.plan.decode_graphs = !o.no_decode_graphs;
+  lo.plan.routing_guess = !o.no_routing_guess;
   return lo;
 }
 

@@ -30,6 +30,7 @@ struct ModelOptions {
   std::vector<std::string> overrides;
   std::string prefill_experts = "auto";
   double gpu_share = -1;  // --host-experts-gpu-share (-1: automatic)
+  bool no_decode_graphs = false, no_routing_guess = false;
   // llama.cpp's flags, accepted so that its users' habits work: -ngl 0 means --gpu none; any other
   // -ngl, and -fa, only get a note that fitmoe places tensors and picks attention kernels itself.
   int n_gpu_layers = -1;

@@ -7,17 +7,9 @@
 
 namespace fitmoe::gpu {
 
-Switches Switches::from_env() {
-  Switches s;
-  s.graphs = !std::getenv("FITMOE_NO_GRAPHS");
-  const char* e = std::getenv("FITMOE_PREDICT");
-  s.predict = !(e && std::string(e) == "0");
-  return s;
-}
-
 Engine::Engine(const ModelConfig& c_, const Plan& plan_)
     : c(c_), plan(plan_), mem(plan_.budget - plan_.reserve), ubatch(std::max(1, plan_.options.n_ubatch)),
-      chunk_experts(std::max(1, plan_.options.prefill_chunk_experts)), sw(Switches::from_env()) {
+      chunk_experts(std::max(1, plan_.options.prefill_chunk_experts)), sw(Switches::from(plan_.options)) {
   if (c.n_expert_used > 32)
     throw Error("the GPU engine routes at most 32 experts per token; this model uses " +
                 std::to_string(c.n_expert_used) + " (use --gpu none)");

@@ -26,12 +26,11 @@ class ThreadPool;
 
 namespace fitmoe::gpu {
 
-// Switches for tests and A/B measurements, read once when a model is loaded.
-// TODO(options): these belong in LoadOptions (tests set the variables around Model::load today).
+// Switches for tests (PlanOptions::decode_graphs / routing_guess), fixed when a model is loaded.
 struct Switches {
-  bool graphs = true;   // FITMOE_NO_GRAPHS=1: decode without CUDA graphs (the same kernels one by one)
-  bool predict = true;  // FITMOE_PREDICT=0: no routing guess / read-ahead in hybrid decode
-  static Switches from_env();
+  bool graphs = true;   // false: decode without CUDA graphs (the same kernels one by one)
+  bool predict = true;  // false: no routing guess / read-ahead in hybrid decode
+  static Switches from(const PlanOptions& o) { return {o.decode_graphs, o.routing_guess}; }
 };
 
 struct Engine {

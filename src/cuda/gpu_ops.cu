@@ -71,6 +71,7 @@ void need_smem(K kernel, size_t bytes, const char* what) {
 // least one thread of the grid, so a kernel never finishes before the one it follows; that makes the
 // ordering transitive along the stream. FITMOE_PDL=0 turns it off (for comparison).
 std::atomic<bool> g_pdl_allowed{true};  // set_dependent_launch
+std::atomic<bool> g_tc_attention{true};  // set_tensor_core_attention
 bool pdl_supported() {
   static const bool ok = [] {
     const char* env = std::getenv("FITMOE_PDL");
@@ -2853,8 +2854,8 @@ bool launch_attention(AttnArgs& a, void* scratch, size_t scratch_bytes, cudaStre
       launch(attn_dec_combine_kernel, dim3(a.n_head, a.n_tokens), 128, 0, s, a);
       launched("attention (combine)");
     }
-  } else if (std::is_same_v<T, __half> && !std::getenv("FITMOE_ATTN_CUDA_CORES") && tc_attention_ok(a)) {
-    // (FITMOE_ATTN_CUDA_CORES=1 keeps the CUDA-core kernel, for comparison.)
+  } else if (std::is_same_v<T, __half> && g_tc_attention && tc_attention_ok(a)) {
+    // (set_tensor_core_attention(false) keeps the CUDA-core kernel: tests hold both to the reference.)
     const TcAttnSmem L(a.hdp, a.hdv);
     need_smem(attn_prefill_tc_kernel, L.total, "attention");
     const dim3 grid(blocks_for(static_cast<int64_t>(a.n_tokens) * a.group, kTQ), a.n_head_kv);
@@ -3009,6 +3010,7 @@ __global__ void moe_combine_kernel(const float* __restrict__ y, const float* __r
 // ================================ public API ======================================================
 
 void set_dependent_launch(bool allowed) { g_pdl_allowed = allowed; }
+void set_tensor_core_attention(bool allowed) { g_tc_attention = allowed; }
 bool dependent_launch_active() { return pdl_on(); }
 
 namespace {

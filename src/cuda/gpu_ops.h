@@ -27,6 +27,9 @@ using Stream = void*;  // cudaStream_t
 // it): on wherever supported unless FITMOE_PDL=0. set_dependent_launch(false) turns it off for later
 // launches and graph captures (tests compare the two).
 void set_dependent_launch(bool allowed);
+// Prefill attention over f16 caches runs on tensor cores where the head sizes allow (sm_70+);
+// set_tensor_core_attention(false) makes later launches use the CUDA-core kernel (for tests).
+void set_tensor_core_attention(bool allowed);
 bool dependent_launch_active();
 
 // Largest batch the integer mat-vec kernels take; larger batches go through dequantize + cuBLAS.

@@ -41,7 +41,7 @@ class Qwen3Gpu final : public GpuRunner, private gpu::LayerProgram {
       : w_(w), c_(c), rope_(rope_params(c)), e_(c, plan) {
     upload_all(opt);
     // Decode graphs need every op of a step on the GPU (a host-resident non-expert weight makes its
-    // product synchronise with the host); FITMOE_NO_GRAPHS=1 turns them off for comparison.
+    // product synchronise with the host); --no-decode-graphs (PlanOptions::decode_graphs) turns them off for comparison.
     bool host_products = !output_.on_gpu();
     for (auto& G : layers_)
       for (const GWeight* w : {&G.wq, &G.wk, &G.wv, &G.wo, &G.router, &G.ffn_gate, &G.ffn_up, &G.ffn_down})

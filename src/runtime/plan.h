@@ -71,6 +71,11 @@ struct PlanOptions {
   // their weights from pinned host memory over PCIe while the CPU computes the rest (-1: from the
   // bandwidths, so that both sides finish together; 0: the CPU computes them all).
   double host_experts_gpu_share = -1;
+  // GPU engine switches that tests compare against the defaults (measurements chose the defaults,
+  // docs/performance.md): decode through CUDA graphs between host points (false: the same kernels
+  // launched one by one), and hybrid decode's routing guess with its read-ahead of host experts.
+  bool decode_graphs = true;
+  bool routing_guess = true;
 };
 
 struct TensorPlacement {

@@ -47,6 +47,8 @@ std::unique_ptr<Model> load_gpu(const std::string& path, const std::string& mode
   if (mode.find("/share0") != std::string::npos) lo.plan.host_experts_gpu_share = 0;
   if (mode.find("/share05") != std::string::npos) lo.plan.host_experts_gpu_share = 0.5;
   if (mode.find("/share1") != std::string::npos) lo.plan.host_experts_gpu_share = 1;
+  if (mode.find("/nographs") != std::string::npos) lo.plan.decode_graphs = false;
+  if (mode.find("/noguess") != std::string::npos) lo.plan.routing_guess = false;
   if (base == "cpu_moe") lo.plan.cpu_moe = true;
   if (base == "n_cpu_moe1") lo.plan.n_cpu_moe = 1;
   // A dense product on the host as well (no decode graphs; its host step waits for the stream, which
@@ -159,11 +161,10 @@ TEST(GpuDecode, GraphsFollowTheCacheLength) {
   int boundary = 1;
   while (gpu::attention_decode_variant(boundary + 1) == gpu::attention_decode_variant(1)) ++boundary;
   auto run = [&](bool graphs) {
-    if (!graphs) setenv("FITMOE_NO_GRAPHS", "1", 1);
     LoadOptions lo;
     lo.plan.n_ctx = boundary + 64;
+    lo.plan.decode_graphs = graphs;
     auto model = Model::load(path, lo);
-    unsetenv("FITMOE_NO_GRAPHS");
     EXPECT_TRUE(model->on_gpu());
     return greedy_logits(*model, boundary + 64, 2, boundary - 8, 0, 16);  // (crosses the boundary half way)
   };
@@ -204,7 +205,7 @@ TEST(GpuDecode, DependentLaunchGivesTheSameBits) {
 
 // Hybrid decode guesses each hybrid layer's routing from the layer before and reads the guessed host
 // experts ahead, which the CPU then computes in slices by thread: the same logits, bit for bit, as
-// without guesses (FITMOE_PREDICT=0), with decode graphs and without (the micro-batch path); and the
+// without guesses (PlanOptions::routing_guess), with decode graphs and without (the micro-batch path); and the
 // guesses are made (qwen3moe-tiny has two layers, both hybrid here: layer 1 is guessed from layer 0),
 // published and mostly right.
 TEST(GpuDecode, RoutingGuessesChangeNoBits) {
@@ -214,11 +215,7 @@ TEST(GpuDecode, RoutingGuessesChangeNoBits) {
     RoutingGuessStats stats;
     const bool graphs = std::string(mode).find("nographs") == std::string::npos;
     auto run = [&](bool guess) {
-      if (!guess) setenv("FITMOE_PREDICT", "0", 1);
-      if (!graphs) setenv("FITMOE_NO_GRAPHS", "1", 1);
-      auto model = load_gpu(dir + "/qwen3moe-tiny-q4_k_m.gguf", mode);  // (load_gpu ignores "/nographs")
-      unsetenv("FITMOE_PREDICT");
-      unsetenv("FITMOE_NO_GRAPHS");
+      auto model = load_gpu(dir + "/qwen3moe-tiny-q4_k_m.gguf", std::string(mode) + (guess ? "" : "/noguess"));
       std::vector<float> all = greedy_logits(*model, 512, 3, 20, 5, 24);
       if (guess) stats = model->routing_guess_stats();
       return all;

@@ -1419,17 +1419,17 @@ TEST_F(GpuOps, AttentionDecodeKeepsItsScratchAcrossCalls) {
 }
 
 TEST_F(GpuOps, AttentionPrefill) {
-  // f16 caches with heads up to 128 run on tensor cores (sm_70+); FITMOE_ATTN_CUDA_CORES=1 forces the
+  // f16 caches with heads up to 128 run on tensor cores (sm_70+); set_tensor_core_attention(false) forces the
   // CUDA-core kernel, which every other case uses anyway. Both must hold.
   for (bool cuda_cores : {false, true}) {
     SCOPED_TRACE(cuda_cores ? "CUDA-core kernel" : "default kernel");
-    if (cuda_cores) setenv("FITMOE_ATTN_CUDA_CORES", "1", 1);
+    gpu::set_tensor_core_attention(!cuda_cores);
     uint64_t seed = 800;
     for (int pos0 : {0, 50})
       for (int nt : {7, 64, 300}) run_attention_case(s(), [this] { sync(); }, {16, 4, 128, 128, DType::F16, pos0, nt, false}, seed++);
     run_attention_case(s(), [this] { sync(); }, {8, 8, 64, 64, DType::F16, 10, 33, false}, seed++);  // MHA
     run_attention_case(s(), [this] { sync(); }, {8, 2, 128, 128, DType::F16, 1000, 130, false}, seed++);  // deep cache
-    unsetenv("FITMOE_ATTN_CUDA_CORES");
+    gpu::set_tensor_core_attention(true);
   }
   uint64_t seed = 810;
   run_attention_case(s(), [this] { sync(); }, {16, 4, 128, 128, DType::F32, 20, 40, false}, seed++); // f32 cache
