@@ -6,6 +6,7 @@
 #include <immintrin.h>
 #include <string>
 
+#include "cuda/deltanet.h"
 #include "cuda/linear.h"
 #include "runtime/error.h"
 #include "runtime/thread_pool.h"
@@ -18,7 +19,8 @@ MoeExecutor::MoeExecutor(Engine& e, std::vector<MoeLayer> layers) : e_(e), layer
     if (!L.router) continue;
     const std::string where = "layer " + std::to_string(l) + ": ";
     if (L.act != Activation::SiLU) throw Error(where + "the GPU engine's experts take SiLU only (for now)");
-    if (L.shared) throw Error(where + "the GPU engine has no shared expert yet");
+    if (L.shared && (!L.shared->gate.host || !L.shared->up.host || !L.shared->down.host || !L.shared->gate_inp.host))
+      throw Error(where + "internal: the shared expert lacks a matrix");
     if (L.out != MoeOutput::Residual) throw Error(where + "the GPU engine adds the experts' output into the residual only (for now)");
   }
 }
@@ -37,13 +39,36 @@ bool MoeExecutor::folds_norm(int l, int nt) const {
   if (!routes_in_experts(l, nt)) return false;
   const MoeLayer& L = layers_[l];
   const ModelConfig& c = e_.c;
-  return L.router->dev.type == DType::F32 && L.router->dev.cols == c.n_embd && c.n_embd % 256 == 0 &&
+  // (A shared expert reads the FFN's normed input in f32, which the folded norm does not write.)
+  return !L.shared && L.router->dev.type == DType::F32 && L.router->dev.cols == c.n_embd && c.n_embd % 256 == 0 &&
          c.n_embd <= 4096 && L.fold_norm && dtype_info(L.experts->gate.type).act_type == DType::Q8_K &&
          c.n_expert_used <= 8 &&
          !is_float_type(L.experts->down.type);  // (the down kernel then combines into y: residual_norm's y0 path)
 }
 
 void MoeExecutor::gpu_part(Step& s, int l, int nt, const MoeIo& io) {
+  routed_part(s, l, nt, io);
+  if (layers_[l].shared) shared_part(s, l, nt, io.expert_in);
+}
+
+// The shared expert: ys = down(silu(gate x) * (up x)), and its gate's logit per token unless combine
+// computes it itself (an f32 gate on the GPU: gpu::shared_expert_gate_add reads x then). On the
+// stream after the routed experts, so that in a hybrid layer the GPU computes it while the CPU runs
+// its experts.
+void MoeExecutor::shared_part(Step& s, int l, int nt, const float* x) {
+  const SharedExpert& S = *layers_[l].shared;
+  Workspace& st = s.ws;
+  void* const stream = e_.stream;
+  const int64_t ff = S.gate.host->rows();
+  linear_shared(s, {{&S.gate, st.sh_g, ff}, {&S.up, st.sh_u, ff}}, x, nt);
+  gpu::swiglu(st.sh_g, st.sh_u, st.sh_g, static_cast<int64_t>(nt) * ff, stream);
+  linear(s, S.down, st.sh_g, nt, st.sh_y, e_.c.n_embd);
+  if (!(S.gate_inp.on_gpu() && S.gate_inp.dev.type == DType::F32)) linear(s, S.gate_inp, x, nt, st.sh_logit, 1);
+  shared_in_ = x;
+  e_.prof.mark("shared expert", stream);
+}
+
+void MoeExecutor::routed_part(Step& s, int l, int nt, const MoeIo& io) {
   const ModelConfig& c = e_.c;
   Workspace& st = s.ws;
   void* const stream = e_.stream;
@@ -265,6 +290,7 @@ std::vector<int32_t> MoeExecutor::read_guessed_ahead(Step& s, int l, size_t* byt
 }
 
 void MoeExecutor::combine(Step& s, int l, int nt, bool host_rows, const float* next_norm, float* xn, void* xq) {
+  if (layers_[l].shared) return combine_shared(s, l, nt, host_rows, next_norm, xn, xq);
   Workspace& st = s.ws;
   const ModelConfig& c = e_.c;
   void* const stream = e_.stream;
@@ -284,6 +310,35 @@ void MoeExecutor::combine(Step& s, int l, int nt, bool host_rows, const float* n
     gpu::residual_norm(st.x, st.y, nullptr, nullptr, 0, next_norm, xn, c.n_embd, nt, c.rms_eps, stream, xq,
                        folds_norm(l, nt) ? st.y_attn : nullptr);
   }
+}
+
+// With a shared expert, in the reference's order: y = the routed experts' combination (the same
+// kernels as above, into a zeroed y instead of x where they add into x), y += ys * sigmoid(gate . x),
+// then x += y and the next norm.
+void MoeExecutor::combine_shared(Step& s, int l, int nt, bool host_rows, const float* next_norm, float* xn, void* xq) {
+  Workspace& st = s.ws;
+  const ModelConfig& c = e_.c;
+  void* const stream = e_.stream;
+  const MoeLayer& L = layers_[l];
+  const GExperts& X = *L.experts;
+  const int E = c.n_embd;
+  const size_t row_bytes = sizeof(float) * static_cast<size_t>(nt) * E;
+  if (host_rows) {
+    gpu::memset_async(st.y, 0, row_bytes, stream);
+    gpu::handover_combine(st.flags_dev + l, st.epoch_dev, st.ey_slots_dev, st.ey, st.ey_host, st.ids, X.slot_of_dev,
+                          c.n_expert, X.gpu_share() ? st.gpu_slots : nullptr, st.wts, c.n_expert_used, st.y, nt, E,
+                          stream, st.stamps_dev ? st.stamps_dev + 2 * l : nullptr);
+    e_.prof.mark("host experts (GPU waits) + combine", stream);
+  } else if (!st.ffn_out_combined) {
+    gpu::memset_async(st.y, 0, row_bytes, stream);
+    gpu::residual_norm(st.y, nullptr, st.ey, st.wts, c.n_expert_used, nullptr, nullptr, E, nt, c.rms_eps, stream);
+  }
+  const SharedExpert& S = *L.shared;
+  const bool fused_gate = S.gate_inp.on_gpu() && S.gate_inp.dev.type == DType::F32;
+  gpu::shared_expert_gate_add(st.y, st.sh_y, fused_gate ? reinterpret_cast<const float*>(S.gate_inp.dev.data) : nullptr,
+                              fused_gate ? shared_in_ : nullptr, fused_gate ? nullptr : st.sh_logit, E, nt, stream);
+  gpu::residual_norm(st.x, st.y, nullptr, nullptr, 0, next_norm, xn, E, nt, c.rms_eps, stream, xq);
+  e_.prof.mark("shared expert gate + residual + norm", stream);
 }
 
 }  // namespace fitmoe::gpu

@@ -12,8 +12,9 @@
 //   GPU: a kernel waiting on that flag reads the rows; all experts' outputs are combined in the
 //        reference's order into the residual.
 // What differs between architectures comes in as MoeLayer (per layer, fixed at load) and MoeIo (per
-// call). Implemented today: the router's input equal to the experts' input, SiLU (SwiGLU) experts, no
-// shared expert, the combined output added into the residual; the others are refused at load.
+// call). Implemented today: the router's input equal to the experts' input, SiLU (SwiGLU) experts,
+// with or without a sigmoid-gated shared expert (qwen35moe), the combined output added into the
+// residual; the others are refused at load.
 #pragma once
 #include <vector>
 
@@ -28,8 +29,9 @@ enum class MoeOutput {
   Buffer,    // written to a buffer, for post-norms before the residual (Gemma 4, not yet)
 };
 
-// A shared expert run beside the routed ones, its output scaled by sigmoid(gate_inp . x) (qwen35moe,
-// not yet).
+// A shared expert run beside the routed ones (a SwiGLU FFN on the experts' input), its output scaled
+// by sigmoid(gate_inp . x) and added to the routed experts' combination before the residual, in the
+// reference's order: x += (routed + shared * sigmoid(gate)) (qwen35moe). gate_inp is [n_embd] (one row).
 struct SharedExpert {
   GWeight gate, up, down, gate_inp;
 };
@@ -77,10 +79,15 @@ class MoeExecutor {
   bool folds_norm(int l, int nt) const;
 
   // GPU side of layer l's MoE block: the routing (published for the CPU in a hybrid layer), the guess
-  // of the next layer's routing, the device-resident experts and the GPU's share of the host ones.
-  // Outputs per slot in ws.ey / ws.ey_host, or (every expert on the GPU) combined in ws.y
-  // (ws.ffn_out_combined).
+  // of the next layer's routing, the device-resident experts and the GPU's share of the host ones,
+  // then the shared expert (shared_part) where the layer has one. Outputs per slot in ws.ey /
+  // ws.ey_host, or (every expert on the GPU) combined in ws.y (ws.ffn_out_combined).
   void gpu_part(Step& s, int l, int nt, const MoeIo& io);
+  // Layer l's shared expert on input x ([nt][n_embd], the experts' input; x must still hold it at
+  // combine): its output into ws.sh_y (and its gate's logits into ws.sh_logit where the gate is not an
+  // f32 weight on the GPU). gpu_part calls it; a prefill micro-batch (ExpertStreamer::run) calls it
+  // after the routed experts.
+  void shared_part(Step& s, int l, int nt, const float* x);
   // CPU side of hybrid layer l (micro-batches of at most kMaxVecTokens): wait for the routing, run the
   // chosen host-resident experts on the CPU threads, put their outputs in ws.h_ey_slots (slot order)
   // and publish them with the layer's flag; the GPU, already queued up to the next layer's routing,
@@ -96,12 +103,15 @@ class MoeExecutor {
   bool guesses_route(int l) const;
 
  private:
+  void routed_part(Step& s, int l, int nt, const MoeIo& io);
+  void combine_shared(Step& s, int l, int nt, bool host_rows, const float* next_norm, float* xn, void* xq);
   void predict_next_route(Step& s, int l, int nt);
   void wait_route(Step& s, int l);
   std::vector<int32_t> read_guessed_ahead(Step& s, int l, size_t* bytes);
 
   Engine& e_;
   std::vector<MoeLayer> layers_;
+  const float* shared_in_ = nullptr;  // the shared expert's input of the layer in flight (its gate reads it at combine)
 };
 
 }  // namespace fitmoe::gpu

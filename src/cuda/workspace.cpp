@@ -8,26 +8,39 @@
 
 namespace fitmoe::gpu {
 
-KvCache::KvCache(DeviceMemory& mem, const ModelConfig& c, int n_ctx, DType kv_type) : type(kv_type), mem_(mem) {
+KvCache::KvCache(DeviceMemory& mem, const ModelConfig& c, int n_ctx, DType kv_type, const std::vector<LayerSpec>* specs)
+    : type(kv_type), mem_(mem) {
   if (type != DType::F16 && type != DType::F32)
     throw Error(std::string("KV cache type ") + dtype_name(type) + " is not supported (use f16 or f32)");
   const size_t es = type == DType::F16 ? 2 : 4;
   k_bytes = static_cast<size_t>(n_ctx) * c.n_head_kv * c.head_dim * es;
   v_bytes = static_cast<size_t>(n_ctx) * c.n_head_kv * c.head_dim_v * es;
-  for (int l = 0; l < c.n_layer; ++l) {
-    auto* k = static_cast<uint8_t*>(mem.alloc(k_bytes, "KV cache"));
-    auto* v = static_cast<uint8_t*>(mem.alloc(v_bytes, "KV cache"));
-    gpu::memset_async(k, 0, k_bytes, nullptr);
-    gpu::memset_async(v, 0, v_bytes, nullptr);
+  const int n_layers = specs ? static_cast<int>(specs->size()) : c.n_layer;
+  for (int l = 0; l < n_layers; ++l) {
+    size_t kb = k_bytes, vb = v_bytes;
+    if (specs) {
+      if (!(*specs)[l].is_attention()) {
+        layers.push_back({type, nullptr, nullptr, n_ctx});
+        continue;
+      }
+      const AttnSpec& a = (*specs)[l].attn();
+      kb = static_cast<size_t>(n_ctx) * a.n_head_kv * a.head_dim * es;
+      vb = static_cast<size_t>(n_ctx) * a.n_head_kv * a.head_dim_v * es;
+    }
+    auto* k = static_cast<uint8_t*>(mem.alloc(kb, "KV cache"));
+    auto* v = static_cast<uint8_t*>(mem.alloc(vb, "KV cache"));
+    gpu::memset_async(k, 0, kb, nullptr);
+    gpu::memset_async(v, 0, vb, nullptr);
     layers.push_back({type, k, v, n_ctx});
+    total_bytes += kb + vb;
   }
   gpu::sync_stream(nullptr);  // the zeroing ran on the default stream; finish it before any use
 }
 
 KvCache::~KvCache() {
   for (auto& k : layers) {
-    mem_.free(k.k);
-    mem_.free(k.v);
+    if (k.k) mem_.free(k.k);
+    if (k.v) mem_.free(k.v);
   }
 }
 
@@ -62,8 +75,8 @@ void DecodeGraphs::clear() {
   graphs.clear();
 }
 
-GpuState::GpuState(Engine& e, const StateOptions& opt, const WorkspaceShape& shape)
-    : kv(e.mem, e.c, opt.n_ctx, opt.kv_type), ws(&e.mem) {
+GpuState::GpuState(Engine& e, const StateOptions& opt, const WorkspaceShape& shape, const std::vector<LayerSpec>* specs)
+    : kv(e.mem, e.c, opt.n_ctx, opt.kv_type, specs), ws(&e.mem) {
   n_ctx_ = opt.n_ctx;
   WorkspaceShape s = shape;
   s.n_ctx = opt.n_ctx;
@@ -108,7 +121,7 @@ void Workspace::reserve_device(const ModelConfig& c, const WorkspaceShape& shape
   // kMaxVecTokens tokens); the widest row set is the experts' slots.
   const int64_t vec_tokens = std::min<int64_t>(U, gpu::kMaxVecTokens);
   const int64_t vec_rows = c.n_expert ? vec_tokens * k : vec_tokens;
-  int64_t widest = std::max<int64_t>({n, qw, aw, ff});
+  int64_t widest = std::max<int64_t>({n, qw, aw, ff, shape.act_width, shape.shared_ff});
   acts_bytes = gpu::act_bytes(DType::F32, widest, static_cast<int>(vec_rows));
   acts = dev_bytes(acts_bytes, "activations");
   if (n % 256 == 0) xn_q = dev_bytes(row_bytes(DType::Q8_K, n) * vec_tokens, "activations");
@@ -133,6 +146,12 @@ void Workspace::reserve_device(const ModelConfig& c, const WorkspaceShape& shape
     pwts = dev_floats(k, "activations");
     pids = static_cast<int32_t*>(dev_bytes(sizeof(int32_t) * k, "activations"));
     pred_done = static_cast<unsigned*>(dev_bytes(sizeof(unsigned), "activations"));
+  }
+  if (shape.shared_ff > 0) {
+    sh_g = dev_floats(U * shape.shared_ff, "activations");
+    sh_u = dev_floats(U * shape.shared_ff, "activations");
+    sh_y = dev_floats(U * n, "activations");
+    sh_logit = dev_floats(U, "activations");
   }
 }
 
@@ -170,7 +189,7 @@ void Workspace::allocate(Engine& eng, const WorkspaceShape& shape) {
     copy_stream = gpu::create_stream();
   }
   h_x = host<float>(static_cast<size_t>(U) * n);
-  h_xn = host<float>(static_cast<size_t>(U) * n);
+  h_xn = host<float>(static_cast<size_t>(U) * std::max<int64_t>(n, shape.act_width));  // (also a host product's input)
   h_ids = host<int32_t>(slots);
   h_ey = host<float>(static_cast<size_t>(slots) * n);
   h_ey_slots = host<float>(static_cast<size_t>(vec_rows) * n);
@@ -178,7 +197,7 @@ void Workspace::allocate(Engine& eng, const WorkspaceShape& shape) {
   h_idx = host<int32_t>(2 * slots + E + 2);
   // Host-side products (weights the plan left on the host): logits come in slices of 64 rows.
   h_out = host<float>(std::max<size_t>(static_cast<size_t>(64) * c.n_vocab,
-                                       static_cast<size_t>(U) * std::max<int64_t>({qw, aw, n, ff, E})));
+                                       static_cast<size_t>(U) * std::max<int64_t>({qw, aw, n, ff, E, shape.act_width})));
   h_flags = host<unsigned>(c.n_layer);
   std::memset(h_flags, 0, sizeof(unsigned) * c.n_layer);
   flags_dev = static_cast<const unsigned*>(gpu::device_view(h_flags));

@@ -12,19 +12,23 @@
 
 #include "cuda/engine.h"
 #include "cuda/gpu_ops.h"
+#include "model/layer_spec.h"
 #include "runtime/cpu_ops.h"
 
 namespace fitmoe::gpu {
 
 struct KvCache {
-  KvCache(DeviceMemory& mem, const ModelConfig& c, int n_ctx, DType type);
+  // One K and V per layer of c (c.n_layer); with specs, only for its attention layers (sized from
+  // their AttnSpec; the others get an empty DevKv).
+  KvCache(DeviceMemory& mem, const ModelConfig& c, int n_ctx, DType type, const std::vector<LayerSpec>* specs = nullptr);
   ~KvCache();
   KvCache(const KvCache&) = delete;
   KvCache& operator=(const KvCache&) = delete;
-  size_t bytes() const { return (k_bytes + v_bytes) * layers.size(); }
+  size_t bytes() const { return total_bytes; }
 
   DType type;
-  size_t k_bytes = 0, v_bytes = 0;
+  size_t k_bytes = 0, v_bytes = 0;  // (per layer without specs)
+  size_t total_bytes = 0;
   std::vector<DevKv> layers;
 
  private:
@@ -38,6 +42,10 @@ struct WorkspaceShape {
   int n_ctx = 0;
   size_t expert_bytes = 0;
   bool host_experts = false;
+  // Other architectures (qwen35): the widest input or output row of a product beyond qwen3's widths
+  // (0: none), and a shared expert's width (0: none; then MoeExecutor's sh_* buffers are allocated).
+  int64_t act_width = 0;
+  int64_t shared_ff = 0;
 };
 
 struct Workspace {
@@ -65,6 +73,8 @@ struct Workspace {
   float *x = nullptr, *xn = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *att = nullptr, *y = nullptr;
   float* y_attn = nullptr;  // the attention output when its residual add is deferred (MoeExecutor::folds_norm)
   float *rlogits = nullptr, *wts = nullptr, *g = nullptr, *u = nullptr, *ey = nullptr, *logits = nullptr;
+  // The shared expert (WorkspaceShape::shared_ff): gate / up rows, its output, its gate's logits.
+  float *sh_g = nullptr, *sh_u = nullptr, *sh_y = nullptr, *sh_logit = nullptr;
   int32_t *ids = nullptr, *pos = nullptr, *tokens = nullptr, *act_row = nullptr, *ident = nullptr, *idx_a = nullptr,
           *idx_b = nullptr;
   void *acts = nullptr, *dequant = nullptr, *attn_scratch = nullptr;
@@ -143,10 +153,12 @@ struct DecodeGraphs {
   int variant = -1;  // gpu::attention_decode_variant the graphs were captured with
 };
 
-// Per-sequence GPU state: the KV cache and (see above) the workspace and the decode graphs.
-class GpuState final : public ModelState {
+// Per-sequence GPU state: the KV cache and (see above) the workspace and the decode graphs. An
+// architecture with more per-sequence state (qwen35's recurrent state and checkpoints) derives from it.
+class GpuState : public ModelState {
  public:
-  GpuState(Engine& e, const StateOptions& opt, const WorkspaceShape& shape);
+  // specs: as for KvCache (null: every layer of e.c has a KV cache).
+  GpuState(Engine& e, const StateOptions& opt, const WorkspaceShape& shape, const std::vector<LayerSpec>* specs = nullptr);
   size_t bytes() const override { return kv.bytes(); }
 
   KvCache kv;

@@ -195,6 +195,7 @@ class Qwen35Model final : public Model {
   }
 
   std::unique_ptr<ModelState> new_state(const StateOptions& opt) const override {
+    if (gpu_) return gpu_->new_state(opt);
     return std::make_unique<Qwen35State>(specs_, opt, false);
   }
 
@@ -273,6 +274,7 @@ class Qwen35Model final : public Model {
  protected:
   void forward_impl(ModelState& st, ThreadPool& pool, std::span<const int32_t> tokens, int n_logits,
                     float* logits) const override {
+    if (gpu_) return gpu_->forward(st, pool, tokens, n_logits, logits);
     auto* Sp = dynamic_cast<Qwen35State*>(&st);
     if (!Sp || Sp->mtp) throw Error("forward: the state is not a " + cfg_.arch + " trunk state");
     Qwen35State& S = *Sp;
@@ -297,6 +299,17 @@ class Qwen35Model final : public Model {
     if (n_logits)
       cpu::matmul(pool, w_.output, hn + static_cast<int64_t>(n_norm - n_logits) * E, E, n_logits, logits, c.n_vocab,
                   scratch, 49);
+  }
+
+  bool has_gpu_forward() const override { return true; }
+  bool init_gpu(const LoadOptions& opt) override {
+#if FITMOE_CUDA
+    gpu_ = make_qwen35_gpu(w_, cfg_, plan_, opt);
+    return true;
+#else
+    (void)opt;
+    return false;
+#endif
   }
 
  private:
@@ -634,6 +647,8 @@ bool qwen35_has_mtp(const Model& m) {
 void qwen35_forward_hidden(const Model& m, ModelState& state, ThreadPool& pool, std::span<const int32_t> tokens,
                            int n_logits, float* logits, float* hidden) {
   as_qwen35(m);
+  if (m.on_gpu())
+    throw Error("the trunk's hidden rows for the MTP head come from the CPU forward pass only (load with --gpu none)");
   auto* S = dynamic_cast<Qwen35State*>(&state);
   if (!S || S->mtp) throw Error("qwen35_forward_hidden: the state is not a qwen35 trunk state");
   S->hidden_out = hidden;

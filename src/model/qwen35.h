@@ -41,6 +41,13 @@ LayerSpec qwen35_mtp_layer_spec(const ModelConfig& c);
 // "A A A F ..." style summary for `fitmoe info`: counts, which layers are full attention.
 std::string qwen35_layer_pattern(const ModelConfig& c);
 
+#if FITMOE_CUDA
+// The GPU forward pass of the trunk (src/cuda/qwen35_gpu.cpp); the MTP head stays on the CPU.
+class GpuRunner;
+std::unique_ptr<GpuRunner> make_qwen35_gpu(const Qwen35Weights& w, const ModelConfig& c, const Plan& plan,
+                                           const LoadOptions& opt);
+#endif
+
 // ---- the MTP head (what speculative decoding uses) ---------------------------------------------
 bool qwen35_has_mtp(const Model& m);  // false for other architectures
 // The trunk's forward pass that also writes, for every token of the batch, the hidden state after
