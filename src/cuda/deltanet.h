@@ -22,7 +22,10 @@
 //   delta_conv1d_silu(qkv -> co, conv_state)
 //   gated_delta_rule(q = co, k = co + key_dim, v = co + 2 key_dim, g = a, beta = b, with dt_bias and
 //                    ssm_a (the gates formed in the kernel) and l2_qk = true (q, k L2-normalised in the
-//                    kernel): o, delta_state)      [or delta_l2_norm on co first and l2_qk = false]
+//                    kernel): o, delta_state)
+//     [prefill: delta_l2_norm(co, 2 n_k_heads heads) first and l2_qk = false: the fused norms are
+//     redone by every warp for every token, in double, which is cheap for one token but slow over a
+//     long batch on GPUs with little FP64 throughput (GeForce: 1/64 rate)]
 //   delta_gated_rms_norm(o, ssm_norm, z -> o)
 //   matvec/matmul: y = W_ssm_out o
 // A gated attention layer: qg = W_q xn ([q_h | gate_h] per head), k = W_k xn, v = W_v xn;
@@ -63,7 +66,7 @@ void delta_l2_norm(float* x, int64_t ld, int n_tokens, int n_heads, int head_dim
 // ssm_beta x, and the kernel forms beta = sigmoid(beta), g = softplus(g + dt_bias[h]) * ssm_a[h] as
 // the CPU's forward pass does; without them (null) g and beta are used as they are. With l2_qk the
 // kernel L2-normalises q and k per head first (delta_l2_norm's arithmetic; q and k in memory are not
-// changed), else they must be normalised already. head_k_dim a multiple of 32 up to 256.
+// changed), else they must be normalised already. head_k_dim 32, 64, 128 or 256.
 // Cost: one pass over the state per batch (read once, written once: for the 35B shape 32 x 128 x 128
 // floats = 2 MiB read + 2 MiB written per layer, whatever the batch size), plus q, k, v, g, beta.
 void gated_delta_rule(const DeltaSpec& d, int n_tokens, const float* q, const float* k, int64_t ld_qk, const float* v,
@@ -84,7 +87,7 @@ void delta_gated_rms_norm(const float* x, const float* w, const float* z, float*
 // (IMRoPE for text tokens: the e section's pairs do not turn; all zero: plain NeoX), the angles as
 // gpu::rope_neox makes them (float products, sincos in double). With kv (not null) k and v (v rows
 // [t * ld_v + g * head_dim_v]) are also stored into the cache at pos[t] as gpu::kv_store does. The
-// norms' arithmetic is gpu::rms_norm's. q must not overlap qg.
+// norms' arithmetic is gpu::rms_norm's. q and gate must not overlap qg.
 void gated_attn_prologue(const AttnSpec& a, int n_tokens, const float* qg, int64_t ld_qg, float* q, int64_t ld_q,
                          float* gate, int64_t ld_gate, float* k, int64_t ld_k, const float* v, int64_t ld_v,
                          const float* q_norm, const float* k_norm, const DevKv* kv, const int32_t* pos,
