@@ -52,6 +52,7 @@ struct Result {
   std::string test_time;
   std::vector<uint64_t> ns;
   double bound = 0;  // generation's physical bound at this thread count (tok/s; 0: unknown)
+  double predicted = 0;  // the plan's cost model for this test at this thread count (tok/s)
 
   int n_tokens() const { return n_prompt + n_gen; }
   std::vector<double> tps() const {
@@ -297,9 +298,7 @@ void register_bench(CLI::App& app) {
       if (bpt <= 0) return 0.0;
       // A CPU-only load does not probe the machine; bench does (once per thread count, then cached),
       // with the threads it measures, since the bandwidth a CPU reaches grows with them.
-      const double host_bw = plan.machine.host_mem_bw > 0 && thread_counts.size() == 1
-                                 ? plan.machine.host_mem_bw
-                                 : probe_machine(n_threads, false).host_mem_bw;
+      const double host_bw = probe_machine(n_threads, false).host_mem_bw;
       return host_bw > 0 ? host_bw / bpt : 0.0;
     };
 
@@ -317,9 +316,17 @@ void register_bench(CLI::App& app) {
       const int threads = s.pool().size();
       const std::string tag = thread_counts.size() > 1 ? " (" + std::to_string(threads) + " threads)" : "";
       const double bound = tg_bound(threads);
+      // The plan's prediction for a test: on the CPU with the profile of the threads this row runs.
+      auto predict = [&](const Result& r) {
+        Plan q = plan;
+        if (!model->on_gpu()) q.machine = probe_machine(threads, false);
+        predict_speed(model->file(), cfg, q, std::max(1, r.n_prompt));
+        return r.n_gen ? q.predicted_tg : q.predicted_pp;
+      };
       auto measure = [&](Result r, const std::vector<int32_t>& toks, auto&& run) {
         r.n_threads = threads;
         r.bound = bound;
+        r.predicted = predict(r);
         r.test_time = utc_now_iso8601();
         for (int rep = -1; rep < a->reps; ++rep) {  // rep -1 is the warm-up
           s.state().reset();
@@ -448,7 +455,7 @@ void register_bench(CLI::App& app) {
         o["routing_guesses_chosen"] = guess_rate;
         o["prefetched_bytes_per_layer_step"] = prefetch_per_layer;
         // The plan's prediction for this kind of test (prompt: at the plan's batch), to hold it to the measurement.
-        o["predicted_ts"] = r.n_gen ? plan.predicted_tg : predicted_prompt_tps(model->file(), cfg, plan, r.n_prompt);
+        o["predicted_ts"] = r.predicted;
         o["machine"] = {{"host_mem_bw", plan.machine.host_mem_bw}, {"pcie_bw", plan.machine.pcie_bw},
                         {"gpu_mem_bw", plan.machine.gpu_mem_bw}, {"cpu_int8_flops", plan.machine.cpu_int8_flops},
                         {"cpu_decode_bw", plan.machine.cpu_decode_bw}, {"source", plan.machine.source}};

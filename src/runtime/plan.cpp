@@ -217,7 +217,6 @@ int64_t max_gpu_context(const ModelConfig& cfg, const PlanOptions& opt, uint64_t
 }
 }  // namespace
 
-namespace {
 // The cost model: fills p.predicted_tg and p.predicted_pp (for a prompt of n_prompt tokens) from the
 // placement in p and its machine profile, and notes how prefill treats host experts.
 void predict_speed(const gguf::File& file, const ModelConfig& cfg, Plan& p, int n_prompt_tokens) {
@@ -394,7 +393,6 @@ void predict_speed(const gguf::File& file, const ModelConfig& cfg, Plan& p, int 
   }
 }
 
-}  // namespace
 
 Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions& opt_in, const MachineProfile& m) {
   if (opt_in.n_ubatch <= 0) {
@@ -643,12 +641,6 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
   }
   predict_speed(file, cfg, p, p.use_gpu ? opt.n_ubatch : 512);
   return p;
-}
-
-double predicted_prompt_tps(const gguf::File& file, const ModelConfig& cfg, const Plan& plan, int n_tokens) {
-  Plan q = plan;
-  predict_speed(file, cfg, q, n_tokens);
-  return q.predicted_pp;
 }
 
 std::string Plan::summary_line() const {

@@ -173,9 +173,10 @@ void check_host_memory(uint64_t bytes, const std::string& what);
 // the non-expert weights plus a minimal KV cache, saying how much is needed.
 Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions& opt, const MachineProfile& m);
 
-// The plan's predicted prompt speed (tok/s) for a prompt of n_tokens (Plan::predicted_pp is it for
-// one micro-batch on the GPU, a 512-token batch on the CPU).
-double predicted_prompt_tps(const gguf::File& file, const ModelConfig& cfg, const Plan& plan, int n_tokens);
+// The cost model: sets p.predicted_tg, and p.predicted_pp for a prompt of n_prompt tokens, from the
+// placement in p and p.machine (make_plan predicts one micro-batch on the GPU, a 512-token batch on
+// the CPU; bench asks for each ppN with the profile of the threads it runs).
+void predict_speed(const gguf::File& file, const ModelConfig& cfg, Plan& p, int n_prompt);
 
 // "8G", "7.5GiB", "8192M", "500MB" -> bytes (G, M, K are binary; a bare number is bytes). Throws Error.
 uint64_t parse_size(const std::string& s);
