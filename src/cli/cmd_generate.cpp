@@ -151,6 +151,11 @@ void register_logits(CLI::App& app) {
     check_output_path(*out_path);  // before the work, not after it
     if (!mtp_path->empty()) check_output_path(*mtp_path);
     auto tokens = parse_token_list(a->tokens);
+    // The MTP head runs on the CPU only (it reads the trunk's hidden rows there): the whole pass does.
+    if (!mtp_path->empty() && a->model.gpu != "none") {
+      std::fprintf(stderr, "note: --mtp-output runs the model on the CPU (the MTP head has no GPU pass yet)\n");
+      a->model.gpu = "none";
+    }
     auto model = load_model(a->model, [&](const Model& m) {
       check_prompt(m, tokens, std::max<int>(a->model.ctx, static_cast<int>(tokens.size())));
     });

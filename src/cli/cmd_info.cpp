@@ -68,7 +68,7 @@ void register_info(CLI::App& app) {
                       c.n_layer_mtp, c.n_layer_trunk(), c.n_expert ? "MoE + shared expert" : "dense FFN");
         else
           std::printf("MTP:           none\n");
-        std::printf("runs on:       the CPU (no GPU forward pass for %s yet: a GPU run falls back to the CPU)\n", c.arch.c_str());
+        std::printf("runs on:       the CPU, the GPU, or both (experts split by the plan); the MTP block on the CPU\n");
       }
     } catch (const Error& e) {
       std::printf("supported:     no\n");

@@ -155,6 +155,26 @@ uint64_t gpu_scratch_bytes(const ModelConfig& cfg, int n_ubatch, int n_ctx, uint
     buf(static_cast<uint64_t>(kPrefillStageSlots) * std::max(1, chunk_experts) * expert_bytes);  // upload ring
     buf((E + 1) * 4);
   }
+  // Recurrent architectures (qwen35, src/cuda/qwen35_gpu.cpp): the DeltaNet's projections and conv
+  // output (qkv, co), its gate and output (z, o), beta and alpha, gated attention's [q | gate] rows and
+  // gate; the shared expert's gate and up; and rows of the widest of these where the workspace's
+  // products take them (its activation buffers, counted here three times).
+  if (!cfg.recurrent_layers.empty()) {
+    uint64_t ch = 0, vd = 0, hv = 0, qgw = 0;
+    for (const LayerSpec& l : layer_specs(cfg, false)) {
+      if (l.is_attention()) {
+        qgw = std::max<uint64_t>(qgw, static_cast<uint64_t>(l.attn().n_head) * l.attn().head_dim);
+      } else {
+        ch = std::max<uint64_t>(ch, l.delta().conv_channels());
+        vd = std::max<uint64_t>(vd, l.delta().value_dim());
+        hv = std::max<uint64_t>(hv, l.delta().n_v_heads);
+      }
+    }
+    for (uint64_t w : {ch, ch, vd, vd, hv, hv, 2 * qgw, qgw}) buf(U * w * 4);
+    const uint64_t shff = static_cast<uint64_t>(std::max(cfg.n_ff_shexp, 0));
+    if (shff) buf(U * shff * 4), buf(U * shff * 4);
+    for (int i = 0; i < 3; ++i) buf(U * std::max({ch, vd, 2 * qgw, shff}) * 4);
+  }
   return total * 21 / 20;
 }
 

@@ -462,55 +462,6 @@ TEST_F(GpuDeltaNet, DeltaNetChainMatchesTheCpu) {
   }
 }
 
-// Times of the DeltaNet kernels at the 35B shape (FITMOE_DELTANET_TIMES=1; prints, checks nothing).
-TEST_F(GpuDeltaNet, Times35b) {
-  if (!std::getenv("FITMOE_DELTANET_TIMES")) GTEST_SKIP() << "set FITMOE_DELTANET_TIMES=1 to time the kernels";
-  const DeltaSpec d = kDeltaShapes[1].d;
-  const int ch = d.conv_channels(), kd = d.key_dim(), vd = d.value_dim(), Hv = d.n_v_heads;
-  for (int T : {1, 512, 2048}) {
-    auto co = randn(static_cast<size_t>(T) * ch, 1), gb = randn(static_cast<size_t>(T) * Hv, 2);
-    auto w = randn(static_cast<size_t>(ch) * d.conv_kernel, 3), dt = randn(Hv, 4), A = randn(Hv, 5);
-    for (auto& v : A) v = -std::exp(v);
-    auto dco = upload(co), dx = upload(co), dgb = upload(gb), dw = upload(w), ddt = upload(dt), dA = upload(A);
-    Dev st(static_cast<size_t>(d.delta_state_floats()) * 4), cst(static_cast<size_t>(d.conv_state_floats()) * 4);
-    Dev out(static_cast<size_t>(T) * vd * 4);
-    cudaMemsetAsync(st.as<void>(), 0, st.size(), static_cast<cudaStream_t>(s()));
-    cudaMemsetAsync(cst.as<void>(), 0, cst.size(), static_cast<cudaStream_t>(s()));
-    cudaEvent_t e0, e1, e2, e3, e4;
-    for (cudaEvent_t* e : {&e0, &e1, &e2, &e3, &e4}) cudaEventCreate(e);
-    const int reps = T == 1 ? 200 : 10;
-    const float* c = dco->as<float>();
-    for (int warm = 0; warm < 2; ++warm) {
-      cudaEventRecord(e0, static_cast<cudaStream_t>(s()));
-      for (int r = 0; r < reps; ++r)
-        delta_conv1d_silu(dx->as<float>(), ch, T, ch, dw->as<float>(), d.conv_kernel, cst.as<float>(), dco->as<float>(), ch, s());
-      cudaEventRecord(e1, static_cast<cudaStream_t>(s()));
-      for (int r = 0; r < reps; ++r)
-        gated_delta_rule(d, T, c, c + kd, ch, c + 2 * kd, ch, dgb->as<float>(), dgb->as<float>(), Hv, ddt->as<float>(),
-                         dA->as<float>(), true, kEps, st.as<float>(), out.as<float>(), vd, s());
-      cudaEventRecord(e2, static_cast<cudaStream_t>(s()));
-      for (int r = 0; r < reps; ++r) delta_l2_norm(dx->as<float>(), ch, T, 2 * d.n_k_heads, d.head_k_dim, kEps, s());
-      cudaEventRecord(e3, static_cast<cudaStream_t>(s()));
-      for (int r = 0; r < reps; ++r)
-        gated_delta_rule(d, T, c, c + kd, ch, c + 2 * kd, ch, dgb->as<float>(), dgb->as<float>(), Hv, ddt->as<float>(),
-                         dA->as<float>(), false, kEps, st.as<float>(), out.as<float>(), vd, s());
-      cudaEventRecord(e4, static_cast<cudaStream_t>(s()));
-    }
-    sync();
-    float ms_conv = 0, ms_delta = 0, ms_l2 = 0, ms_plain = 0;
-    cudaEventElapsedTime(&ms_conv, e0, e1);
-    cudaEventElapsedTime(&ms_delta, e1, e2);
-    cudaEventElapsedTime(&ms_l2, e2, e3);
-    cudaEventElapsedTime(&ms_plain, e3, e4);
-    const double us_delta = 1e3 * ms_delta / reps, us_plain = 1e3 * ms_plain / reps;
-    std::printf("  35b T %d: conv %.1f us, delta rule with its L2 norms %.1f us (%.2f us/token; state 4 MiB per "
-                "call: %.0f GB/s); separate L2 norms %.1f us + delta rule %.1f us (%.2f us/token)\n",
-                T, 1e3 * ms_conv / reps, us_delta, us_delta / T, 4.0 * 1048576 / (us_delta * 1e3), 1e3 * ms_l2 / reps,
-                us_plain, us_plain / T);
-    for (cudaEvent_t e : {e0, e1, e2, e3, e4}) cudaEventDestroy(e);
-  }
-}
-
 // ---- gated attention prologue ----------------------------------------------------------------------
 
 void prologue_case(GpuDeltaNet& fx, const char* name, const AttnSpec& a, const RopeParams& rp, int T, int pos0,
