@@ -262,7 +262,10 @@ void predict_speed(const gguf::File& file, const ModelConfig& cfg, Plan& p, int 
   // in a hybrid layer the CPU's share of the chosen experts at host RAM speed plus a synchronisation
   // (the GPU's own experts run meanwhile).
   const double L = cfg.n_layer_trunk();
-  const double kv_read = static_cast<double>(kv_per_token) * std::min(opt.n_ctx, 1024);  // a typical depth
+  // Per token: the KV of a typical depth, and a recurrent layer's state read and written once (the
+  // live copy: kv_cache_bytes(cfg, 0) holds it and its checkpoints).
+  const double kv_read = static_cast<double>(kv_per_token) * std::min(opt.n_ctx, 1024) +
+                         2.0 * static_cast<double>(kv_cache_bytes(cfg, 0, opt.kv_type)) / (1 + kStateCheckpoints);
   if (p.use_gpu) {
     constexpr double kLayerLaunches = 9 * 3.92e-6, kHybridLayerLaunches = 10 * 4.5e-6, kHybridSync = 15e-6;
     int hybrid_layers = 0;
