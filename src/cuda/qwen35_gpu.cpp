@@ -353,30 +353,13 @@ class Qwen35Gpu final : public GpuRunner, private gpu::LayerProgram {
   }
 
   void back(Step& s, int l, int nt, bool host_rows) override {
-    gpu::Workspace& ws = s.ws;
     const bool last = l + 1 == ct_.n_layer;
-    const float* next_norm = last ? nullptr : layers_[l + 1].attn_norm;
-    float* xn = last ? nullptr : ws.xn;
-    void* xq = last ? nullptr : gpu::xn_q_for(s, layers_[l + 1].first(), nt);
-    if (layers_[l].moe)
-      moe_->combine(s, l, nt, host_rows, next_norm, xn, xq);
-    else
-      gpu::residual_norm(ws.x, ws.y, nullptr, nullptr, 0, next_norm, xn, ct_.n_embd, nt, ct_.rms_eps, e_.stream, xq,
-                         nullptr);
-    e_.prof.mark("combine + residual + norm", e_.stream);
+    gpu::finish_layer(s, moe_.get(), layers_[l].moe, l, nt, host_rows, last ? nullptr : layers_[l + 1].attn_norm,
+                      last ? nullptr : &layers_[l + 1].first(), ct_.n_embd, ct_.rms_eps);
   }
 
   void head(Step& s, int nt, int n_out, int r0) override {
-    gpu::Workspace& ws = s.ws;
-    void* const stream = e_.stream;
-    const int E = ct_.n_embd;
-    const float* last = ws.x + static_cast<int64_t>(nt - n_out + r0) * E;
-    const int nr = std::min(64, n_out - r0);
-    ws.xn_q_valid = false;
-    gpu::rms_norm(last, output_norm_, ws.xn, E, nr, ct_.rms_eps, E, E, stream);
-    gpu::linear(s, output_, ws.xn, nr, ws.logits, ct_.n_vocab);
-    gpu::copy_d2h(ws.h_out, ws.logits, sizeof(float) * nr * ct_.n_vocab, stream);
-    e_.prof.mark("output head", stream);
+    gpu::output_head(s, output_norm_, output_, ct_.n_embd, ct_.n_vocab, ct_.rms_eps, nt, n_out, r0);
   }
 
   // Gated full attention (deltanet.h's order): [q | gate], k, v from one input; the prologue (q, k

@@ -1,5 +1,7 @@
 #include "cuda/step_driver.h"
 
+#include "cuda/linear.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -7,6 +9,31 @@
 #include <vector>
 
 namespace fitmoe::gpu {
+
+void finish_layer(Step& s, MoeExecutor* moe, bool moe_layer, int l, int nt, bool host_rows, const float* next_norm,
+                  const GWeight* next_input, int n_embd, float eps) {
+  Workspace& ws = s.ws;
+  float* xn = next_norm ? ws.xn : nullptr;
+  void* xq = next_norm ? xn_q_for(s, *next_input, nt) : nullptr;
+  if (moe_layer)
+    moe->combine(s, l, nt, host_rows, next_norm, xn, xq);
+  else
+    residual_norm(ws.x, ws.y, nullptr, nullptr, 0, next_norm, xn, n_embd, nt, eps, s.e.stream, xq, nullptr);
+  s.e.prof.mark("combine + residual + norm", s.e.stream);
+}
+
+void output_head(Step& s, const float* output_norm, const GWeight& output, int n_embd, int n_vocab, float eps, int nt,
+                 int n_out, int r0) {
+  Workspace& ws = s.ws;
+  void* const stream = s.e.stream;
+  const float* last = ws.x + static_cast<int64_t>(nt - n_out + r0) * n_embd;
+  const int nr = std::min(64, n_out - r0);
+  ws.xn_q_valid = false;
+  rms_norm(last, output_norm, ws.xn, n_embd, nr, eps, n_embd, n_embd, stream);
+  linear(s, output, ws.xn, nr, ws.logits, n_vocab);
+  copy_d2h(ws.h_out, ws.logits, sizeof(float) * nr * n_vocab, stream);
+  s.e.prof.mark("output head", stream);
+}
 
 namespace {
 

@@ -34,6 +34,18 @@ class LayerProgram {
   virtual void head(Step& s, int nt, int n_out, int r0) = 0;
 };
 
+// The two ends every layer program shares (written once; an architecture with post-norms or a logit
+// softcap adds its step before or after them):
+// after layer l's FFN, the MoE executor's combination (moe null or a dense layer: ws.y) into the
+// residual ws.x and the next layer's input norm into ws.xn (and its quantized form for next_input's
+// product); after the last layer (next_norm null) only the residual.
+void finish_layer(Step& s, MoeExecutor* moe, bool moe_layer, int l, int nt, bool host_rows, const float* next_norm,
+                  const GWeight* next_input, int n_embd, float eps);
+// The final norm and the output head for rows [r0, r0 + min(64, n_out - r0)) of the last n_out of nt
+// tokens, into ws.logits and (copied out on the stream) ws.h_out.
+void output_head(Step& s, const float* output_norm, const GWeight& output, int n_embd, int n_vocab, float eps, int nt,
+                 int n_out, int r0);
+
 class StepDriver {
  public:
   // graphs_ok: every product of a step is on the GPU and nothing forbids graphs (switch, op profile).
