@@ -55,6 +55,20 @@ struct ModelConfig {
   int n_ff_shexp = 0;                  // shared expert width (0: none)
   int n_layer_mtp = 0;                 // nextn_predict_layers
   int n_layer_trunk() const { return n_layer - n_layer_mtp; }
+
+  // gemma4 (sliding-window and global attention layers; src/model/gemma4.cpp). Empty or zero for the
+  // other architectures. head_dim, head_dim_v, n_rot, rope_base and n_head_kv describe the global
+  // layers (n_head_kv: the first global layer's); the sliding ones have their own below.
+  std::vector<bool> swa_layers;        // per layer: true = sliding window, false = global
+  std::vector<int> n_head_kv_layers;   // per layer (attention.head_count_kv may be an array)
+  std::vector<bool> k_eq_v_layers;     // per layer: no attn_v, V = the raw K projection (from the tensors)
+  int sliding_window = 0;
+  int head_dim_swa = 0;                // key = value width of the sliding layers
+  int n_rot_swa = 0;
+  float rope_base_swa = 10000.0f;
+  int shared_kv_layers = 0;            // the last this many layers reuse earlier layers' KV
+  float final_logit_softcap = 0;       // 0: none
+  int n_layer_kv() const { return n_layer - shared_kv_layers; }  // layers with a KV cache of their own
 };
 
 // The RoPE parameters of the model's attention, as the kernels take them.

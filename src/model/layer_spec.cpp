@@ -3,11 +3,13 @@
 #include <cmath>
 
 #include "model/config.h"
+#include "model/gemma4.h"
 #include "model/qwen35.h"
 
 namespace fitmoe {
 
 std::vector<LayerSpec> layer_specs(const ModelConfig& c, bool with_mtp) {
+  if (!c.swa_layers.empty()) return gemma4_layer_specs(c);
   if (!c.recurrent_layers.empty()) {
     std::vector<LayerSpec> s = qwen35_layer_specs(c);
     if (with_mtp)
@@ -33,7 +35,7 @@ uint64_t sequence_memory_bytes(const ModelConfig& c, int64_t n_ctx, DType kv_typ
   uint64_t b = 0;
   for (const LayerSpec& l : layer_specs(c, with_mtp)) {
     const LayerMemory m = layer_memory(l, kv_type);
-    b += m.kv_bytes_per_pos * static_cast<uint64_t>(n_ctx) + m.state_bytes * static_cast<uint64_t>(1 + n_checkpoints);
+    b += m.kv_bytes(n_ctx) + m.state_bytes * static_cast<uint64_t>(1 + n_checkpoints);
   }
   return b;
 }

@@ -3,6 +3,7 @@
 // kind needs per sequence. A forward pass, the state allocation and (later) the plan all derive from
 // these instead of re-deriving the layer pattern from the hyperparameters each on their own.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <variant>
@@ -12,6 +13,11 @@
 
 namespace fitmoe {
 
+// How many positions a sliding-window layer's cache holds beyond its window: the tokens of one
+// micro-batch, whose queries need the window before the first of them. Gemma's forward pass feeds a
+// longer batch in pieces of at most this many tokens.
+constexpr int kSlidingMicroBatch = 512;
+
 // Causal softmax attention over a KV cache.
 struct AttnSpec {
   int n_head = 0, n_head_kv = 0, head_dim = 0, head_dim_v = 0;
@@ -19,7 +25,25 @@ struct AttnSpec {
   int rope_sections[4] = {0, 0, 0, 0};  // all zero: plain NeoX RoPE; else multi-section (IMRoPE)
   bool q_gate = false;                  // attn_q is [q, gate] per head; output *= sigmoid(gate)
   float scale = 0;                      // on Q.K (1/sqrt(head_dim))
+  // gemma4. window > 0: a sliding-window layer; a query at p sees positions p - window + 1 .. p, and
+  // its cache is a ring of window + kSlidingMicroBatch positions (kv_positions below).
+  int window = 0;
+  // >= 0: the layer has no K/V of its own and attends over layer kv_from's cache (Gemma's shared-KV
+  // layers): it allocates nothing.
+  int kv_from = -1;
+  float rope_base = 0;                  // 0: the model's rope base (gemma4: per kind of layer)
+  bool rope_freqs = false;              // RoPE angles divided by the rope_freqs tensor (proportional RoPE)
+  bool k_eq_v = false;                  // no attn_v: V is the raw K projection
+  bool v_norm = false;                  // weightless RMSNorm of each V head
+  // Cached positions a state keeps for a context of n_ctx.
+  int64_t kv_positions(int64_t n_ctx) const {
+    return window > 0 ? std::min<int64_t>(n_ctx, static_cast<int64_t>(window) + kSlidingMicroBatch) : n_ctx;
+  }
 };
+
+// The FFN's gating nonlinearity: SwiGLU (silu(gate) * up) or Gemma's GeGLU (gelu_tanh(gate) * up,
+// through the reference's f16 table: runtime/cpu_gemma4.h).
+enum class Activation { SiLU, GeluTanh };
 
 // Gated DeltaNet: a linear-attention layer with a fixed-size recurrent state per sequence.
 struct DeltaSpec {
@@ -40,15 +64,19 @@ struct DeltaSpec {
 struct MoeSpec {
   int n_expert = 0, n_expert_used = 0, n_ff_exp = 0;
   int n_ff_shexp = 0;  // 0: no shared expert
+  Activation act = Activation::SiLU;
 };
 
 struct DenseSpec {
   int n_ff = 0;
+  Activation act = Activation::SiLU;
 };
 
 struct LayerSpec {
   std::variant<AttnSpec, DeltaSpec> mixer;
-  std::optional<MoeSpec> moe;      // exactly one of moe and dense is set
+  // At least one of moe and dense is set; both (gemma4 MoE layers): the dense FFN runs in parallel
+  // with the routed experts and the two are added.
+  std::optional<MoeSpec> moe;
   std::optional<DenseSpec> dense;
   bool is_attention() const { return std::holds_alternative<AttnSpec>(mixer); }
   bool is_delta() const { return std::holds_alternative<DeltaSpec>(mixer); }
@@ -61,14 +89,20 @@ struct LayerSpec {
 // charge it (sequence_memory_bytes below).
 struct LayerMemory {
   uint64_t kv_bytes_per_pos = 0;
+  int64_t kv_max_positions = 0;  // > 0: the cache holds at most this many positions (a sliding window's ring)
   uint64_t state_bytes = 0;
+  uint64_t kv_bytes(int64_t n_ctx) const {
+    const int64_t pos = kv_max_positions > 0 ? std::min(n_ctx, kv_max_positions) : n_ctx;
+    return kv_bytes_per_pos * static_cast<uint64_t>(pos);
+  }
 };
 inline LayerMemory layer_memory(const LayerSpec& l, DType kv_type) {
   LayerMemory m;
   if (l.is_attention()) {
     const AttnSpec& a = l.attn();
     const uint64_t es = kv_type == DType::F16 ? 2 : 4;
-    m.kv_bytes_per_pos = static_cast<uint64_t>(a.n_head_kv) * (a.head_dim + a.head_dim_v) * es;
+    if (a.kv_from < 0) m.kv_bytes_per_pos = static_cast<uint64_t>(a.n_head_kv) * (a.head_dim + a.head_dim_v) * es;
+    m.kv_max_positions = a.window > 0 ? static_cast<int64_t>(a.window) + kSlidingMicroBatch : 0;
   } else {
     const DeltaSpec& d = l.delta();
     m.state_bytes = static_cast<uint64_t>(d.conv_state_floats() + d.delta_state_floats()) * sizeof(float);
@@ -79,7 +113,8 @@ inline LayerMemory layer_memory(const LayerSpec& l, DType kv_type) {
 struct ModelConfig;
 // Every layer of a model as the plan and the states should size it, for any architecture fitmoe
 // runs: qwen35 / qwen35moe by their layer pattern (with_mtp: the MTP block too, an attention layer
-// whose KV cache lives in the drafter's own state), the others all attention. src/model/layer_spec.cpp.
+// whose KV cache lives in the drafter's own state), gemma4 by its sliding / global / shared-KV
+// pattern, the others all attention. src/model/layer_spec.cpp.
 std::vector<LayerSpec> layer_specs(const ModelConfig& c, bool with_mtp = true);
 // Per-sequence bytes for n_ctx positions: KV caches of the attention layers plus the recurrent states,
 // each of which is kept 1 + n_checkpoints times (the live one and its checkpoints).

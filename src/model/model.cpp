@@ -24,6 +24,7 @@ const std::map<std::string, ModelFactory>& registry() {
       {"qwen3", make_qwen3_model},
       {"qwen35moe", make_qwen35_model},
       {"qwen35", make_qwen35_model},
+      {"gemma4", make_gemma4_model},
   };
   return r;
 }

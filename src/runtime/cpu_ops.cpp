@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "quant/kernels.h"
+#include "runtime/cpu_gemma4.h"
 #include "runtime/error.h"
 
 namespace fitmoe::cpu {
@@ -136,7 +137,7 @@ void matmul(ThreadPool& pool, const Weight& w, const float* x, int64_t ld_x, int
 // ---- rope ---------------------------------------------------------------------------------------
 
 void rope_neox(float* x, int n_tokens, int n_heads, int head_dim, int64_t ld, int n_rot, int pos0,
-               const RopeParams& rope) {
+               const RopeParams& rope, const float* freq_factors) {
   const float theta_scale = std::pow(rope.base, -2.0f / static_cast<float>(n_rot));
   const int half = n_rot / 2;
   const float freq_scale = rope.freq_scale, ext = rope.ext_factor;
@@ -150,8 +151,10 @@ void rope_neox(float* x, int n_tokens, int n_heads, int head_dim, int64_t ld, in
     // cos/sin table for this position, angles advanced by repeated multiplication as the reference.
     float theta = static_cast<float>(pos0 + t);
     for (int i = 0; i < half; ++i) {
-      float th = freq_scale * theta;
-      if (ext != 0.0f) th = th * (1.0f - mix[i]) + theta * mix[i];
+      // The reference divides the unscaled angle by the pair's factor, then scales (YaRN) from there.
+      const float te = freq_factors ? theta / freq_factors[i] : theta;
+      float th = freq_scale * te;
+      if (ext != 0.0f) th = th * (1.0f - mix[i]) + te * mix[i];
       cs[2 * i] = std::cos(th) * mscale;
       cs[2 * i + 1] = std::sin(th) * mscale;
       theta *= theta_scale;
@@ -188,16 +191,17 @@ void kv_store(const KvView& kv, int pos0, int n_tokens, const float* k, int64_t 
               int64_t ld_v, int k_width, int v_width) {
   const size_t es = elem_bytes(kv.type);
   for (int t = 0; t < n_tokens; ++t) {
-    uint8_t* krow = kv.k + (pos0 + t) * kv.k_row_bytes;
+    const int s = kv.slot(pos0 + t);
+    uint8_t* krow = kv.k + s * kv.k_row_bytes;
     for (int i = 0; i < k_width; ++i) store_value(kv.type, k[t * ld_k + i], krow + i * es);
     for (int i = 0; i < v_width; ++i)
-      store_value(kv.type, v[t * ld_v + i], kv.v + (static_cast<size_t>(i) * kv.n_ctx + pos0 + t) * es);
+      store_value(kv.type, v[t * ld_v + i], kv.v + (static_cast<size_t>(i) * kv.n_ctx + s) * es);
   }
 }
 
 void attention(ThreadPool& pool, const float* q, int64_t ld_q, const KvView& kv, int pos0, int n_tokens,
                int n_head, int n_head_kv, int head_dim, int head_dim_v, float scale, float* out,
-               int64_t ld_out, Scratch& scratch, size_t slot) {
+               int64_t ld_out, Scratch& scratch, size_t slot, int window) {
   const int group = n_head / n_head_kv;
   const size_t es = elem_bytes(kv.type);
   const auto& kern = quant::kernels_for(kv.type);
@@ -209,9 +213,14 @@ void attention(ThreadPool& pool, const float* q, int64_t ld_q, const KvView& kv,
   tok_block = std::min(tok_block, 64);
   const int n_tb = (n_tokens + tok_block - 1) / tok_block;
   const int max_cols = tok_block * group;
-  const int max_keys = pos0 + n_tokens;
+  // A block's keys: positions lo .. pos0 + t0 + nt - 1, lo = 0 without a window.
+  const int max_keys = window > 0 ? std::min(pos0 + n_tokens, window - 1 + tok_block) : pos0 + n_tokens;
+  if (kv.ring && window > 0 && std::min(pos0 + n_tokens, window - 1 + n_tokens) > kv.n_ctx)
+    throw Error("attention: a ring cache of " + std::to_string(kv.n_ctx) + " positions cannot hold a window of " +
+                std::to_string(window) + " for " + std::to_string(n_tokens) + " queries");
   const size_t per_thread = static_cast<size_t>(max_cols) * (head_dim + max_keys) * es +   // Q, P in cache type
-                            static_cast<size_t>(max_cols) * (max_keys + head_dim_v) * sizeof(float);  // S, O
+                            static_cast<size_t>(max_cols) * (max_keys + head_dim_v) * sizeof(float) +  // S, O
+                            (kv.ring ? static_cast<size_t>(max_cols) * head_dim_v * sizeof(float) : 0);  // O of a wrapped run
   uint8_t* base = scratch.bytes(slot, per_thread * pool.size());
 
   pool.parallel_for(static_cast<int64_t>(n_head_kv) * n_tb, 1, [&](int64_t b, int64_t e, int tid) {
@@ -224,34 +233,52 @@ void attention(ThreadPool& pool, const float* q, int64_t ld_q, const KvView& kv,
       const int t0 = static_cast<int>(item % n_tb) * tok_block;
       const int nt = std::min(tok_block, n_tokens - t0);
       const int cols = nt * group;
-      const int n_keys = pos0 + t0 + nt;  // the block's last query sees this many keys
+      const int hi = pos0 + t0 + nt;  // one past the block's last query's position
+      const int lo = window > 0 ? std::max(0, pos0 + t0 - window + 1) : 0;  // the first query's oldest key
+      const int n_keys = hi - lo;
       // Column c = (token t0 + c / group, head g * group + c % group).
       for (int c = 0; c < cols; ++c) {
         const float* qh = q + (t0 + c / group) * ld_q + static_cast<int64_t>(g * group + c % group) * head_dim;
         to_cache_type(qh, qc + static_cast<size_t>(c) * head_dim * es, head_dim);
       }
-      kern.matmul_tile(head_dim, kv.k + static_cast<size_t>(g) * head_dim * es, kv.k_row_bytes, n_keys, qc,
-                       head_dim * es, cols, sc, n_keys);
+      // Keys lo .. hi - 1 in position order: one run of slots, or two where a ring wraps.
+      const int s0 = kv.slot(lo);
+      const int run1 = std::min(n_keys, kv.n_ctx - s0), run2 = n_keys - run1;
+      const uint8_t* kg = kv.k + static_cast<size_t>(g) * head_dim * es;
+      kern.matmul_tile(head_dim, kg + s0 * kv.k_row_bytes, kv.k_row_bytes, run1, qc, head_dim * es, cols, sc, n_keys);
+      if (run2 > 0)
+        kern.matmul_tile(head_dim, kg, kv.k_row_bytes, run2, qc, head_dim * es, cols, sc + run1, n_keys);
       for (int c = 0; c < cols; ++c) {
         float* s = sc + static_cast<size_t>(c) * n_keys;
-        const int visible = pos0 + t0 + c / group + 1;  // causal
+        const int visible = pos0 + t0 + c / group + 1 - lo;  // causal
+        // The window's oldest key for this query (masked keys are -inf in the reference: exactly 0 here).
+        const int first = window > 0 ? std::max(0, visible - window) : 0;
+        for (int j = 0; j < first; ++j) s[j] = 0.0f;
         float mx = -INFINITY;
-        for (int j = 0; j < visible; ++j) {
+        for (int j = first; j < visible; ++j) {
           s[j] *= scale;
           mx = std::max(mx, s[j]);
         }
         double sum = 0;
-        for (int j = 0; j < visible; ++j) {
+        for (int j = first; j < visible; ++j) {
           s[j] = std::exp(s[j] - mx);
           sum += s[j];
         }
         const float inv = static_cast<float>(1.0 / sum);
-        for (int j = 0; j < visible; ++j) s[j] *= inv;
+        for (int j = first; j < visible; ++j) s[j] *= inv;
         for (int j = visible; j < n_keys; ++j) s[j] = 0.0f;
         to_cache_type(s, pc + static_cast<size_t>(c) * n_keys * es, n_keys);
       }
-      kern.matmul_tile(n_keys, kv.v + static_cast<size_t>(g) * head_dim_v * kv.n_ctx * es,
-                       static_cast<size_t>(kv.n_ctx) * es, head_dim_v, pc, n_keys * es, cols, oc, head_dim_v);
+      const uint8_t* vg = kv.v + static_cast<size_t>(g) * head_dim_v * kv.n_ctx * es;
+      kern.matmul_tile(run1, vg + static_cast<size_t>(s0) * es, static_cast<size_t>(kv.n_ctx) * es, head_dim_v, pc,
+                       n_keys * es, cols, oc, head_dim_v);
+      if (run2 > 0) {
+        // The wrapped keys' share, added to the first run's (one more f32 rounding per output).
+        float* o2 = oc + static_cast<size_t>(max_cols) * head_dim_v;
+        kern.matmul_tile(run2, vg, static_cast<size_t>(kv.n_ctx) * es, head_dim_v, pc + static_cast<size_t>(run1) * es,
+                         n_keys * es, cols, o2, head_dim_v);
+        for (int i = 0; i < cols * head_dim_v; ++i) oc[i] += o2[i];
+      }
       for (int c = 0; c < cols; ++c)
         std::memcpy(out + (t0 + c / group) * ld_out + static_cast<int64_t>(g * group + c % group) * head_dim_v,
                     oc + static_cast<size_t>(c) * head_dim_v, sizeof(float) * head_dim_v);
@@ -266,6 +293,11 @@ void swiglu(const float* gate, const float* up, float* out, int64_t n) {
     const float g = gate[i];
     out[i] = g / (1.0f + std::exp(-g)) * up[i];
   }
+}
+
+void glu(Activation act, const float* gate, const float* up, float* out, int64_t n) {
+  if (act == Activation::GeluTanh) geglu(gate, up, out, n);
+  else swiglu(gate, up, out, n);
 }
 
 void route_softmax_topk(const float* logits, int n_expert, int k, bool renormalise, int32_t* experts,
@@ -312,9 +344,13 @@ void fetch_lines(const uint8_t* p, size_t n) {
 
 void expert_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tokens, int n_embd,
                 const int32_t* token_of_slot, const int32_t* experts, int n_assign, float* out, Scratch& scratch,
-                const int32_t* out_rows, std::span<const int32_t> sliced) {
-  const int n_expert = static_cast<int>(w.gate.ne[2]);
-  const int64_t n_ff = w.gate.rows();
+                const int32_t* out_rows, std::span<const int32_t> sliced, Activation act) {
+  const int n_expert = static_cast<int>(w.n_expert());
+  const int64_t n_ff = w.n_ff();
+  // Fused gate_up: the gate and up rows are the two halves of one matrix per expert.
+  const Weight& wg = w.fused() ? w.gate_up : w.gate;
+  const Weight& wu = w.fused() ? w.gate_up : w.up;
+  const int64_t up_row0 = w.fused() ? n_ff : 0;
 
   // Group the (token, slot) assignments by expert: expert e owns rows [offset[e], offset[e+1]) of the
   // grouped buffers, tokens in ascending order, so each expert's weights are read once per batch.
@@ -334,8 +370,8 @@ void expert_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_
     if (offset[e + 1] > offset[e]) active.push_back(e);
 
   // Inputs in the gate/up activation format, gathered per expert.
-  const DType act_in = dtype_info(w.gate.type).act_type;
-  if (dtype_info(w.up.type).act_type != act_in) throw Error("ffn_gate_exps and ffn_up_exps types need the same activation format");
+  const DType act_in = dtype_info(wg.type).act_type;
+  if (dtype_info(wu.type).act_type != act_in) throw Error("ffn_gate_exps and ffn_up_exps types need the same activation format");
   const size_t in_stride = row_bytes(act_in, n_embd);
   uint8_t* xq = scratch.bytes(10, in_stride * n_tokens);
   QuantizedActs xa = quantize_acts(pool, act_in, x, n_embd, n_embd, n_tokens, xq);
@@ -353,17 +389,17 @@ void expert_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_
   uint8_t* hq = scratch.bytes(14, mid_stride * n_assign);
   float* d = scratch.floats(15, static_cast<size_t>(n_assign) * n_embd);
 
-  const auto& kern_gate = quant::kernels_for(w.gate.type);
-  const auto& kern_up = quant::kernels_for(w.up.type);
+  const auto& kern_gate = quant::kernels_for(wg.type);
+  const auto& kern_up = quant::kernels_for(wu.type);
   const auto& kern_down = quant::kernels_for(w.down.type);
   auto qmid = quant::quantize_act_fn(act_mid);
   // Rows [r0, r0 + nr) of expert e's gate and up (or down) products for all of its grouped slots.
   auto gate_up_rows = [&](int e, int64_t r0, int nr) {
     const int a0 = offset[e], nc = offset[e + 1] - offset[e];
-    const Weight mg = w.gate.expert(e), mu = w.up.expert(e);
+    const Weight mg = wg.expert(e), mu = wu.expert(e);
     kern_gate.matmul_tile(mg.cols(), mg.row(r0), mg.row_bytes, nr, xg + a0 * in_stride, in_stride, nc,
                           g + static_cast<int64_t>(a0) * n_ff + r0, static_cast<size_t>(n_ff));
-    kern_up.matmul_tile(mu.cols(), mu.row(r0), mu.row_bytes, nr, xg + a0 * in_stride, in_stride, nc,
+    kern_up.matmul_tile(mu.cols(), mu.row(up_row0 + r0), mu.row_bytes, nr, xg + a0 * in_stride, in_stride, nc,
                         u + static_cast<int64_t>(a0) * n_ff + r0, static_cast<size_t>(n_ff));
   };
   // The down rows go straight to their place in out (one slot), or through d and a copy of this
@@ -384,7 +420,7 @@ void expert_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_
   };
   auto swiglu_quant = [&](int64_t r) {
     float* gr = g + r * n_ff;
-    swiglu(gr, u + r * n_ff, gr, n_ff);
+    glu(act, gr, u + r * n_ff, gr, n_ff);
     qmid(gr, hq + r * mid_stride, n_ff);
   };
 
@@ -446,12 +482,12 @@ void expert_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_
 }
 
 void moe_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tokens, int n_embd,
-             const int32_t* experts, const float* weights, int k, float* out, Scratch& scratch) {
+             const int32_t* experts, const float* weights, int k, float* out, Scratch& scratch, Activation act) {
   const int n_assign = n_tokens * k;
   std::vector<int32_t> token_of(static_cast<size_t>(n_assign));
   for (int a = 0; a < n_assign; ++a) token_of[a] = a / k;
   float* y = scratch.floats(16, static_cast<size_t>(n_assign) * n_embd);
-  expert_ffn(pool, w, x, n_tokens, n_embd, token_of.data(), experts, n_assign, y, scratch);
+  expert_ffn(pool, w, x, n_tokens, n_embd, token_of.data(), experts, n_assign, y, scratch, nullptr, {}, act);
   moe_combine(y, weights, n_tokens, k, n_embd, out);
 }
 
@@ -471,7 +507,7 @@ void moe_combine(const float* y, const float* weights, int n_tokens, int k, int 
 }
 
 void dense_ffn(ThreadPool& pool, const Weight& gate, const Weight& up, const Weight& down, const float* x,
-               int n_tokens, float* out, Scratch& scratch) {
+               int n_tokens, float* out, Scratch& scratch, Activation glu_act) {
   const int64_t n_embd = gate.cols(), n_ff = gate.rows();
   float* g = scratch.floats(20, static_cast<size_t>(n_tokens) * n_ff);
   float* u = scratch.floats(21, static_cast<size_t>(n_tokens) * n_ff);
@@ -484,7 +520,7 @@ void dense_ffn(ThreadPool& pool, const Weight& gate, const Weight& up, const Wei
   } else {
     matmul(pool, up, x, n_embd, n_tokens, u, n_ff, scratch, 23);
   }
-  for (int64_t i = 0; i < n_tokens * n_ff; i += n_ff) swiglu(g + i, u + i, g + i, n_ff);
+  for (int64_t i = 0; i < n_tokens * n_ff; i += n_ff) glu(glu_act, g + i, u + i, g + i, n_ff);
   matmul(pool, down, g, n_ff, n_tokens, out, down.rows(), scratch, 24);
 }
 

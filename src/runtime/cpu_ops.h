@@ -8,6 +8,7 @@
 #include <span>
 #include <vector>
 
+#include "model/layer_spec.h"
 #include "model/model.h"
 #include "runtime/rope.h"
 #include "runtime/thread_pool.h"
@@ -67,8 +68,10 @@ void matmul(ThreadPool& pool, const Weight& w, const float* x, int64_t ld_x, int
 // n_tokens x n_heads heads of head_dim values (row stride ld), positions pos0, pos0+1, ...
 // Angles as ggml: theta_i = p * base^(-2i/n_rot) computed by repeated multiplication in f32, then
 // linear / YaRN scaling and the magnitude as runtime/rope.h describes (unscaled: the plain bits).
+// freq_factors (n_rot/2 values, gemma4's rope_freqs): pair i's angle is divided by freq_factors[i]
+// before scaling, as the reference's rope_ext with freq factors (a huge factor leaves a pair unrotated).
 void rope_neox(float* x, int n_tokens, int n_heads, int head_dim, int64_t ld, int n_rot, int pos0,
-               const RopeParams& rope);
+               const RopeParams& rope, const float* freq_factors = nullptr);
 
 // Causal softmax attention of n_tokens queries at positions pos0.. over the cached keys 0..pos.
 // Reference numerics (llama.cpp without flash attention): Q is rounded to the cache type, scores =
@@ -76,21 +79,31 @@ void rope_neox(float* x, int n_tokens, int n_heads, int head_dim, int64_t ld, in
 // f32 accumulation. Both products run on the matmul tile kernels of the cache type.
 // Cache layout (one layer): K rows [pos][n_head_kv * head_dim]; V transposed, [n_head_kv * head_dim_v]
 // rows of n_ctx positions, so that V^T.P reads rows like any weight matrix.
+// ring (sliding-window layers): the cache holds the last n_ctx positions, position p in slot
+// p % n_ctx, so that a layer with a window keeps only the window (plus a micro-batch).
 struct KvView {
   DType type;       // F16 or F32
   uint8_t* k;
   uint8_t* v;
   int n_ctx;        // positions per V^T row (capacity)
   int64_t k_row_bytes;  // bytes per position of K
+  bool ring = false;
+  int slot(int pos) const { return ring ? pos % n_ctx : pos; }
 };
 void kv_store(const KvView& kv, int pos0, int n_tokens, const float* k, int64_t ld_k, const float* v,
               int64_t ld_v, int k_width, int v_width);
+// window > 0 (sliding-window layers): a query at p sees positions p - window + 1 .. p only, and only
+// those are read; a ring cache must hold every position a batch's queries see (window - 1 + n_tokens
+// <= n_ctx). The keys a block of queries sees are in position order either way, so the products and
+// the softmax run in the same order as over a plain cache.
 void attention(ThreadPool& pool, const float* q, int64_t ld_q, const KvView& kv, int pos0, int n_tokens,
                int n_head, int n_head_kv, int head_dim, int head_dim_v, float scale, float* out,
-               int64_t ld_out, Scratch& scratch, size_t slot);
+               int64_t ld_out, Scratch& scratch, size_t slot, int window = 0);
 
 // out = silu(gate) * up, elementwise.
 void swiglu(const float* gate, const float* up, float* out, int64_t n);
+// out = act(gate) * up: swiglu, or cpu::geglu (runtime/cpu_gemma4.h) for Activation::GeluTanh.
+void glu(Activation act, const float* gate, const float* up, float* out, int64_t n);
 
 // Router: softmax over n_expert logits, top-k (larger first, lower index on ties), weights
 // renormalised to sum 1 with the sum clamped from below at 6.1e-5 (as the reference).
@@ -99,11 +112,19 @@ void route_softmax_topk(const float* logits, int n_expert, int k, bool renormali
 
 // Routed SwiGLU experts for a batch: out[t] = sum_j weights[t][j] * down_e(silu(gate_e x) * up_e x)
 // with e = experts[t][j], summed in j order. x are the normed inputs [n_tokens][n_embd].
+// gate_up (gemma4's fused ffn_gate_up_exps, [n_embd, 2 n_ff_exp, n_expert]): when set, gate and up are
+// empty and expert e's gate rows are rows 0..n_ff_exp-1 of its matrix, its up rows the rest.
 struct ExpertWeights {
   Weight gate, up, down;  // 3-D: [n_embd, n_ff_exp, n_expert] (down: [n_ff_exp, n_embd, n_expert])
+  Weight gate_up;
+  // By the bytes, not the tensor info: tests and synthetic stacks build weights without one.
+  bool fused() const { return gate_up.host != nullptr; }
+  int64_t n_ff() const { return fused() ? gate_up.rows() / 2 : gate.rows(); }
+  int64_t n_expert() const { return down.ne[2]; }
 };
 void moe_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tokens, int n_embd,
-             const int32_t* experts, const float* weights, int k, float* out, Scratch& scratch);
+             const int32_t* experts, const float* weights, int k, float* out, Scratch& scratch,
+             Activation act = Activation::SiLU);
 // The unweighted outputs of a list of (token, expert) slots: out[a] = down_e(silu(gate_e x_t) * up_e x_t)
 // with t = token_of_slot[a], e = experts[a]; each chosen expert's weights are read once. Used by
 // moe_ffn and by the GPU engine for the experts that live in host memory. out_rows (optional): slot a's
@@ -117,7 +138,8 @@ constexpr int kExpertFfnStaticTokens = 8;
 // same bits either way: only which thread computes a row changes.
 void expert_ffn(ThreadPool& pool, const ExpertWeights& w, const float* x, int n_tokens, int n_embd,
                 const int32_t* token_of_slot, const int32_t* experts, int n_slots, float* out, Scratch& scratch,
-                const int32_t* out_rows = nullptr, std::span<const int32_t> sliced = {});
+                const int32_t* out_rows = nullptr, std::span<const int32_t> sliced = {},
+                Activation act = Activation::SiLU);
 // Rows [first, second) of a `rows`-row matrix that thread t of nth takes in the sliced split. Not in
 // multiples of the kernels' 16-row blocking, unlike the shared split: rounded, 768 rows over 15
 // threads would give some threads 64 rows of every sliced expert and others 48.
@@ -134,11 +156,12 @@ void fetch_lines(const uint8_t* p, size_t n);
 // read or stop() returns true; stop() is asked every 4 KiB. Returns the bytes read. Changes no result.
 template <typename Stop>
 size_t prefetch_expert_slices(const ExpertWeights& w, std::span<const int32_t> experts, int t, int nth, Stop&& stop) {
-  const int64_t n_expert = w.gate.ne[2];
+  const int64_t n_expert = w.n_expert();
   size_t done = 0;
   for (const int32_t e : experts) {
     if (e < 0 || e >= n_expert) continue;
-    for (const Weight* m : {&w.gate, &w.up, &w.down}) {
+    for (const Weight* m : {&w.gate, &w.up, &w.gate_up, &w.down}) {
+      if (!m->host) continue;
       const auto [r0, r1] = expert_slice(m->rows(), t, nth);
       const Weight me = m->expert(e);
       const uint8_t* p = me.row(r0);
@@ -158,7 +181,7 @@ void moe_combine(const float* y, const float* weights, int n_tokens, int k, int 
 
 // Dense SwiGLU FFN: out = down(silu(gate x) * up x).
 void dense_ffn(ThreadPool& pool, const Weight& gate, const Weight& up, const Weight& down, const float* x,
-               int n_tokens, float* out, Scratch& scratch);
+               int n_tokens, float* out, Scratch& scratch, Activation act = Activation::SiLU);
 
 // Index of the largest value, lowest index on ties (the contract's greedy rule).
 int32_t argmax(const float* x, int n);
