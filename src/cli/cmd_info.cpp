@@ -4,6 +4,7 @@
 
 #include "cli/common.h"
 #include "format/gguf.h"
+#include "model/gemma4.h"
 #include "model/qwen35.h"
 #include "runtime/error.h"
 
@@ -59,6 +60,13 @@ void register_info(CLI::App& app) {
                   c.n_layer_trunk(), c.n_embd, c.n_head, c.n_head_kv, c.head_dim, c.n_vocab);
       if (c.n_expert) std::printf(", %d experts, %d active, width %d", c.n_expert, c.n_expert_used, c.n_ff_exp);
       std::printf("); %s of weights read per generated token\n", human_bytes(model->bytes_per_token()).c_str());
+      if (!c.swa_layers.empty()) {
+        // Gemma 4: which layers are sliding / global, K = V, which share KV; the window's ring.
+        std::printf("layers:        %s\n", gemma4_layer_pattern(c).c_str());
+        std::printf("KV cache:      sliding layers keep their window + %d positions (a ring), global layers the whole context\n",
+                    kSlidingMicroBatch);
+        std::printf("runs on:       the CPU (gemma4 has no GPU forward pass yet)\n");
+      }
       if (!c.recurrent_layers.empty()) {
         // Hybrid stacks: which layers are which, and the MTP block the trunk's pass does not run.
         std::printf("layers:        %s\n", qwen35_layer_pattern(c).c_str());

@@ -31,6 +31,9 @@ struct Shape {
   int full_attn_every = 0, ssm_k_heads = 0, ssm_v_heads = 0, ssm_head = 0, conv = 0, n_ff_shexp = 0, n_rot = 0,
       n_mtp = 0;
   std::array<int, 4> sections{};
+  // gemma4 only: every g4_global_every-th layer is global (head_dim, n_head_kv, K = V, rope_freqs),
+  // the others sliding (window g4_window, heads of g4_hd_swa, g4_kv_swa KV heads, RoPE base 1e4).
+  int g4_global_every = 0, g4_window = 0, g4_hd_swa = 0, g4_kv_swa = 0;
 };
 
 // Real shapes from the models' published configs (docs/models in the shared facts).
@@ -54,6 +57,13 @@ const std::map<std::string, std::map<std::string, Shape>>& presets() {
         {"tiny-mtp", {2, 256, 4, 1, 64, 1024, 4096, 0, 4, 2, 64, 1e7f, false, 2, 2, 4, 64, 4, 64, 16, 1, {3, 3, 2, 0}}}}},
       // Dense Qwen3.5: the tiny MoE shape with one SwiGLU FFN of 256 instead of the experts.
       {"qwen35", {{"tiny", {2, 256, 4, 1, 64, 1024, 4096, 256, 0, 0, 0, 1e7f, false, 2, 2, 4, 64, 4, 0, 16, 0, {3, 3, 2, 0}}}}},
+      // Gemma 4 26B-A4B (docs/models.md): 30 layers, every 6th global (16/2 heads x 512, K = V, a quarter
+      // rotated through rope_freqs, theta 1e6), the others sliding (window 1024, 16/8 heads x 256,
+      // theta 1e4); 128 experts (8 active) of 704 in parallel with a dense GeGLU of 2112; tied 262,144
+      // vocabulary. tiny: the shape of ../shared/testdata gemma4moe-tiny.
+      {"gemma4",
+       {{"26b-a4b", {30, 2816, 16, 2, 512, 262144, 262144, 2112, 128, 8, 704, 1e6f, true, 0, 0, 0, 0, 0, 0, 512, 0, {}, 6, 1024, 256, 8}},
+        {"tiny", {3, 256, 4, 1, 128, 1024, 4096, 96, 8, 2, 32, 1e6f, true, 0, 0, 0, 0, 0, 0, 128, 0, {}, 3, 32, 64, 2}}}},
   };
   return p;
 }
@@ -87,11 +97,17 @@ const FileType kFileTypes[] = {
     {"f32", 0, DType::F32},
 };
 
-DType pick_type(const FileType& ft, Role role, int layer, int n_layer, int64_t ncols, bool tied) {
+// many_experts: the reference's rules for models of 8 or more experts (gemma4's Q4_K_M: attn_k and
+// attn_v Q8_0, attn_output Q5_K; testdata README, "Gemma 4 MoE").
+DType pick_type(const FileType& ft, Role role, int layer, int n_layer, int64_t ncols, bool tied, bool many_experts = false) {
   if (role == Role::Norm || role == Role::Router || role == Role::Const || role == Role::F32) return DType::F32;
   const std::string name = ft.name;
   DType t = ft.base;
-  if (name == "q4_k_m") {
+  if (name == "q4_k_m" && many_experts && (role == Role::AttnK || role == Role::AttnV)) {
+    t = DType::Q8_0;
+  } else if (name == "q4_k_m" && many_experts && role == Role::AttnOut) {
+    t = DType::Q5_K;
+  } else if (name == "q4_k_m") {
     if (role == Role::Output || (role == Role::Embedding && tied)) t = DType::Q6_K;
     else if ((role == Role::AttnV || role == Role::FfnDown) && use_more_bits(layer, n_layer)) t = DType::Q6_K;
   } else if (name == "q4_0" || name == "q6_k") {
@@ -265,6 +281,49 @@ void plan_qwen35(const Shape& s, std::vector<PlannedTensor>& plan, Add&& add, st
   }
 }
 
+// The tensors of gemma4 as the reference's converter writes them (testdata README, "Gemma 4 MoE"):
+// sliding layers with attn_v, global ones without (K = V); the dense GeGLU branch and, with experts,
+// the router, its scale, the fused ffn_gate_up_exps, ffn_down_exps and its per-expert scale, and the
+// branch norms; post norms and the layer output scale; rope_freqs once.
+template <typename Add>
+void plan_gemma4(const Shape& s, std::vector<PlannedTensor>& plan, Add&& add) {
+  const int64_t E = s.n_embd;
+  const float in_sd = 1.0f / std::sqrt(static_cast<float>(E));
+  add("rope_freqs.weight", Role::Const, 0, {s.n_rot / 2}, 0);
+  for (int l = 0; l < s.n_layer; ++l) {
+    const std::string p = "blk." + std::to_string(l) + ".";
+    const bool global = (l + 1) % s.g4_global_every == 0;
+    const int64_t hd = global ? s.head_dim : s.g4_hd_swa, kv = global ? s.n_head_kv : s.g4_kv_swa;
+    add(p + "attn_norm.weight", Role::Norm, l, {E}, 0);
+    add(p + "attn_q.weight", Role::AttnQ, l, {E, hd * s.n_head}, in_sd);
+    add(p + "attn_k.weight", Role::AttnK, l, {E, hd * kv}, in_sd);
+    if (!global) add(p + "attn_v.weight", Role::AttnV, l, {E, hd * kv}, in_sd);
+    add(p + "attn_output.weight", Role::AttnOut, l, {hd * s.n_head, E}, 1.0f / std::sqrt(static_cast<float>(hd * s.n_head)));
+    // Q/K norms of head_dim^-0.25 each: attention's scale is 1, so the scores keep a softmax-friendly spread.
+    add(p + "attn_q_norm.weight", Role::Norm, l, {hd}, 0);
+    plan.back().value = std::pow(static_cast<float>(hd), -0.25f);
+    add(p + "attn_k_norm.weight", Role::Norm, l, {hd}, 0);
+    plan.back().value = std::pow(static_cast<float>(hd), -0.25f);
+    add(p + "post_attention_norm.weight", Role::Norm, l, {E}, 0);
+    add(p + "ffn_norm.weight", Role::Norm, l, {E}, 0);
+    add(p + "ffn_gate.weight", Role::FfnGate, l, {E, s.n_ff}, in_sd);
+    add(p + "ffn_up.weight", Role::FfnUp, l, {E, s.n_ff}, in_sd);
+    add(p + "ffn_down.weight", Role::FfnDown, l, {s.n_ff, E}, 1.0f / std::sqrt(static_cast<float>(s.n_ff)));
+    if (s.n_expert) {
+      add(p + "post_ffw_norm_1.weight", Role::Norm, l, {E}, 0);
+      add(p + "pre_ffw_norm_2.weight", Role::Norm, l, {E}, 0);
+      add(p + "ffn_gate_inp.weight", Role::Router, l, {E, s.n_expert}, 1.0f);  // on RMSNorm(x) / sqrt(n_embd)
+      add(p + "ffn_gate_inp.scale", Role::Norm, l, {E}, 0);
+      add(p + "ffn_gate_up_exps.weight", Role::FfnGate, l, {E, 2 * s.n_ff_exp, s.n_expert}, in_sd);
+      add(p + "ffn_down_exps.weight", Role::FfnDown, l, {s.n_ff_exp, E, s.n_expert}, 1.0f / std::sqrt(static_cast<float>(s.n_ff_exp)));
+      add(p + "ffn_down_exps.scale", Role::Norm, l, {s.n_expert}, 0);
+      add(p + "post_ffw_norm_2.weight", Role::Norm, l, {E}, 0);
+    }
+    add(p + "post_ffw_norm.weight", Role::Norm, l, {E}, 0);
+    add(p + "layer_output_scale.weight", Role::Norm, l, {1}, 0);
+  }
+}
+
 }  // namespace
 
 std::vector<std::string> synthetic_presets(const std::string& arch) {
@@ -278,7 +337,7 @@ std::vector<std::string> synthetic_presets(const std::string& arch) {
 SyntheticSummary write_synthetic_model(const SyntheticSpec& spec, const std::string& path, ThreadPool& pool,
                                        const std::function<void(uint64_t, uint64_t)>& progress) {
   auto arch_it = presets().find(spec.arch);
-  if (arch_it == presets().end()) throw Error("gen-model: unknown architecture '" + spec.arch + "' (qwen3moe, qwen3, qwen35moe, qwen35)");
+  if (arch_it == presets().end()) throw Error("gen-model: unknown architecture '" + spec.arch + "' (qwen3moe, qwen3, qwen35moe, qwen35, gemma4)");
   auto pre_it = arch_it->second.find(spec.preset);
   if (pre_it == arch_it->second.end()) {
     std::string list;
@@ -297,7 +356,8 @@ SyntheticSummary write_synthetic_model(const SyntheticSpec& spec, const std::str
                 std::to_string(full_layers) + " layers");
   if (spec.layers > 0) s.n_layer = spec.layers;
   const bool q35 = spec.arch == "qwen35moe" || spec.arch == "qwen35";
-  const bool moe = spec.arch == "qwen3moe" || spec.arch == "qwen35moe";
+  const bool g4 = spec.arch == "gemma4";
+  const bool moe = spec.arch == "qwen3moe" || spec.arch == "qwen35moe" || (g4 && s.n_expert > 0);
   if (spec.router_skew != 0 && !moe) throw Error("gen-model: --router-skew needs an MoE architecture");
   if (spec.router_skew < 0) throw Error("gen-model: --router-skew must be >= 0");
 
@@ -316,7 +376,27 @@ SyntheticSummary write_synthetic_model(const SyntheticSpec& spec, const std::str
   w.set_u32(a + "embedding_length", s.n_embd);
   if (s.n_ff) w.set_u32(a + "feed_forward_length", s.n_ff);
   w.set_u32(a + "attention.head_count", s.n_head);
-  w.set_u32(a + "attention.head_count_kv", s.n_head_kv);
+  if (g4) {
+    std::vector<int32_t> kv;
+    std::vector<bool> swa;
+    for (int l = 0; l < s.n_layer; ++l) {
+      const bool global = (l + 1) % s.g4_global_every == 0;
+      kv.push_back(global ? s.n_head_kv : s.g4_kv_swa);
+      swa.push_back(!global);
+    }
+    w.set_i32_array(a + "attention.head_count_kv", kv);
+    w.set_bool_array(a + "attention.sliding_window_pattern", swa);
+    w.set_u32(a + "attention.sliding_window", s.g4_window);
+    w.set_u32(a + "attention.key_length_swa", s.g4_hd_swa);
+    w.set_u32(a + "attention.value_length_swa", s.g4_hd_swa);
+    w.set_u32(a + "rope.dimension_count", s.n_rot);
+    w.set_u32(a + "rope.dimension_count_swa", s.g4_hd_swa);
+    w.set_f32(a + "rope.freq_base_swa", 10000.0f);
+    w.set_f32(a + "final_logit_softcapping", 30.0f);
+    w.set_u32(a + "attention.shared_kv_layers", 0);
+  } else {
+    w.set_u32(a + "attention.head_count_kv", s.n_head_kv);
+  }
   w.set_u32(a + "attention.key_length", s.head_dim);
   w.set_u32(a + "attention.value_length", s.head_dim);
   w.set_f32(a + "rope.freq_base", s.rope_base);
@@ -359,7 +439,7 @@ SyntheticSummary write_synthetic_model(const SyntheticSpec& spec, const std::str
   // rule_n: the count the "more bits" rule divides by (default the layers; qwen35's attn_v counts the
   // attention layers only, as the reference's quantizer does).
   auto add = [&](const std::string& name, Role role, int layer, std::vector<int64_t> ne, float sd, int rule_n = -1) {
-    DType t = pick_type(*ft, role, layer, rule_n >= 0 ? rule_n : s.n_layer + s.n_mtp, ne[0], s.tied);
+    DType t = pick_type(*ft, role, layer, rule_n >= 0 ? rule_n : s.n_layer + s.n_mtp, ne[0], s.tied, g4 && s.n_expert >= 8);
     if (ne.size() == 1) t = DType::F32;
     plan.push_back({name, t, std::move(ne), role, sd, {}});
   };
@@ -370,6 +450,8 @@ SyntheticSummary write_synthetic_model(const SyntheticSpec& spec, const std::str
   std::ostringstream popularity;
   if (q35) {
     plan_qwen35(s, plan, add, rng, spec.router_skew);
+  } else if (g4) {
+    plan_gemma4(s, plan, add);
   } else for (int l = 0; l < s.n_layer; ++l) {
     const std::string p = "blk." + std::to_string(l) + ".";
     add(p + "attn_norm.weight", Role::Norm, l, {E}, 0);
@@ -434,6 +516,16 @@ SyntheticSummary write_synthetic_model(const SyntheticSpec& spec, const std::str
   auto fill = [&](size_t ti, uint64_t off, uint8_t* buf, size_t len) {
     const PlannedTensor& t = plan[ti];
     const size_t rb = row_bytes(t.type, t.ne[0]);
+    if (t.name == "rope_freqs.weight") {
+      // Proportional RoPE: the first quarter of the global head's pairs rotate, the rest do not.
+      const int64_t n = t.ne[0];
+      for (size_t i = 0; i < len; i += 4) {
+        const int64_t e = static_cast<int64_t>((off + i) / 4);
+        const float val = e < n / 4 ? 1.0f : 1e30f;
+        std::memcpy(buf + i, &val, std::min<size_t>(4, len - i));
+      }
+      return;
+    }
     if (t.role == Role::Norm || t.role == Role::Const) {
       // Norm weights are ones (constants their value): the bytes of a 1-D f32 tensor of that value.
       for (size_t i = 0; i < len; i += 4) {
@@ -478,6 +570,13 @@ SyntheticSummary write_synthetic_model(const SyntheticSpec& spec, const std::str
     << " layers, n_embd " << s.n_embd << ", vocab " << s.n_vocab;
   if (moe) d << ", " << s.n_expert << " experts (" << s.n_expert_used << " active) of width " << s.n_ff_exp;
   if (s.n_ff_shexp) d << " + a shared expert of " << s.n_ff_shexp;
+  if (g4) {
+    int n_global = 0;
+    for (int l = 0; l < s.n_layer; ++l) n_global += (l + 1) % s.g4_global_every == 0;
+    d << ", dense GeGLU of " << s.n_ff << "\nlayers: " << s.n_layer - n_global << " sliding (window " << s.g4_window
+      << ", " << s.n_head << "/" << s.g4_kv_swa << " heads x " << s.g4_hd_swa << ") + " << n_global << " global ("
+      << s.n_head << "/" << s.n_head_kv << " x " << s.head_dim << ", K = V)";
+  }
   if (q35) {
     int n_full = 0;
     for (int l = 0; l < s.n_layer; ++l) n_full += (l + 1) % s.full_attn_every == 0;
