@@ -406,7 +406,8 @@ void predict_speed(const gguf::File& file, const ModelConfig& cfg, Plan& p, int 
     // (decay, two products with the state and the rank-one update: about 6 FLOP per state value).
     double attn_flops = 0;
     for (const LayerSpec& l : layer_specs(cfg, false))
-      attn_flops += l.is_attention() ? 4.0 * l.attn().n_head * l.attn().head_dim * (B / 2)
+      attn_flops += l.is_attention() ? 4.0 * l.attn().n_head * l.attn().head_dim *
+                                           (l.attn().window > 0 ? std::min(B / 2, static_cast<double>(l.attn().window)) : B / 2)
                                      : 6.0 * static_cast<double>(l.delta().delta_state_floats());
     const double t_batch = B * (2 * dense_params / cpu_matmul_rate(m, B) +
                                 2 * k * expert_params / cpu_matmul_rate(m, per_expert_tokens) +
