@@ -154,6 +154,7 @@ class Gemma4Model final : public Model {
   }
 
   std::unique_ptr<ModelState> new_state(const StateOptions& opt) const override {
+    if (gpu_) return gpu_->new_state(opt);
     return std::make_unique<Gemma4State>(specs_, opt);
   }
 
@@ -185,6 +186,7 @@ class Gemma4Model final : public Model {
  protected:
   void forward_impl(ModelState& st, ThreadPool& pool, std::span<const int32_t> tokens, int n_logits,
                     float* logits) const override {
+    if (gpu_) return gpu_->forward(st, pool, tokens, n_logits, logits);
     auto* Sp = dynamic_cast<Gemma4State*>(&st);
     if (!Sp) throw Error("forward: the state is not a gemma4 state");
     // Pieces of at most kSlidingMicroBatch tokens: a sliding layer's ring holds its window plus that
@@ -200,6 +202,17 @@ class Gemma4Model final : public Model {
       forward_piece(*Sp, pool, tokens.subspan(t0, n), st.n_past() + t0, nl,
                     nl ? logits + static_cast<int64_t>(lo - first_row) * cfg_.n_vocab : nullptr);
     }
+  }
+
+  bool has_gpu_forward() const override { return true; }
+  bool init_gpu(const LoadOptions& opt) override {
+#if FITMOE_CUDA
+    gpu_ = make_gemma4_gpu(w_, cfg_, plan_, opt);
+    return true;
+#else
+    (void)opt;
+    return false;
+#endif
   }
 
  private:

@@ -1,6 +1,7 @@
 // Gemma 4 (gemma4: the dense models and the 26B-A4B MoE): weights and layer descriptions. The CPU
 // forward pass is in gemma4.cpp.
 #pragma once
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -36,5 +37,12 @@ struct Gemma4Weights {
 std::vector<LayerSpec> gemma4_layer_specs(const ModelConfig& c);
 // "25 sliding (window 1024) + 5 global at 5, 11, ...; shared KV: ..." for `fitmoe info`.
 std::string gemma4_layer_pattern(const ModelConfig& c);
+
+#if FITMOE_CUDA
+// The GPU forward pass (src/cuda/gemma4_gpu.cpp).
+class GpuRunner;
+std::unique_ptr<GpuRunner> make_gemma4_gpu(const Gemma4Weights& w, const ModelConfig& c, const Plan& plan,
+                                           const LoadOptions& opt);
+#endif
 
 }  // namespace fitmoe
