@@ -21,8 +21,6 @@ using fitmoe::test::run_fitmoe;
 
 std::string tmp(const std::string& name) { return fitmoe::test::temp_path("fitmoe_cli", name); }
 
-std::string slurp_text(const std::string& p) { return fitmoe::test::slurp(p); }
-
 std::string last_line(const std::string& s) {
   std::string t = s;
   while (!t.empty() && t.back() == '\n') t.pop_back();

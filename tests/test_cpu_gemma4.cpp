@@ -70,7 +70,9 @@ TEST(Gemma4Ops, RopeWithFreqFactorsDividesTheAngle) {
         const float* b = y.data() + (t * heads + h) * hd;
         EXPECT_NEAR(b[i], a[i] * std::cos(th) - a[i + n_rot / 2] * std::sin(th), 2e-5);
         EXPECT_NEAR(b[i + n_rot / 2], a[i] * std::sin(th) + a[i + n_rot / 2] * std::cos(th), 2e-5);
-        if (ff[i] > 1e29f) EXPECT_EQ(b[i], a[i]);  // unrotated pairs
+        if (ff[i] > 1e29f) {
+          EXPECT_EQ(b[i], a[i]);  // unrotated pairs
+        }
       }
 }
 

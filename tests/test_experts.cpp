@@ -60,7 +60,7 @@ TEST_P(ExpertFfn, MatchesScalarReference) {
   const uint64_t seed = rng();
   const Stack gate = random_stack(DType::Q4_K, kEmbd, kFf, seed), up = random_stack(DType::Q4_K, kEmbd, kFf, seed + 1),
               down = random_stack(DType::Q6_K, kFf, kEmbd, seed + 2);
-  const cpu::ExpertWeights w{gate.w, up.w, down.w};
+  const cpu::ExpertWeights w{gate.w, up.w, down.w, {}};
   std::normal_distribution<float> nd;
   std::vector<float> x(static_cast<size_t>(n_tokens) * kEmbd);
   for (float& v : x) v = nd(rng);
@@ -143,7 +143,7 @@ TEST(ExpertSlice, CoversEveryRowOnce) {
 TEST(ExpertSlice, PrefetchCoversTheGuessedExpertsAndStops) {
   const Stack gate = random_stack(DType::Q4_K, kEmbd, kFf, 1), up = random_stack(DType::Q4_K, kEmbd, kFf, 2),
               down = random_stack(DType::Q6_K, kFf, kEmbd, 3);
-  const cpu::ExpertWeights w{gate.w, up.w, down.w};
+  const cpu::ExpertWeights w{gate.w, up.w, down.w, {}};
   const std::vector<int32_t> guessed = {3, -1, 9, kExperts};
   const size_t per_expert = gate.w.matrix_bytes() + up.w.matrix_bytes() + down.w.matrix_bytes();
   for (int nth : {1, 3, 7}) {

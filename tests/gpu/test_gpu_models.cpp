@@ -213,7 +213,6 @@ TEST(GpuDecode, RoutingGuessesChangeNoBits) {
   const std::string dir = test::testdata("qwen3moe-tiny");
   for (const char* mode : {"half_budget", "cpu_moe", "cpu_moe/nographs"}) {
     RoutingGuessStats stats;
-    const bool graphs = std::string(mode).find("nographs") == std::string::npos;
     auto run = [&](bool guess) {
       auto model = load_gpu(dir + "/qwen3moe-tiny-q4_k_m.gguf", std::string(mode) + (guess ? "" : "/noguess"));
       std::vector<float> all = greedy_logits(*model, 512, 3, 20, 5, 24);
