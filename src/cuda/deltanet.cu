@@ -23,6 +23,7 @@
 #include <utility>
 
 #include "cuda/kernel_util.h"
+#include "cuda/launch.cuh"
 #include "cuda/sync.cuh"
 #include "runtime/error.h"
 
@@ -38,25 +39,11 @@ void dn_launched(const char* what) {
   if (e != cudaSuccess) dn_fail(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(e));
 }
 
-// kernel<<<grid, block, smem, s>>>(args...), with programmatic dependent launch where gpu_ops' launch()
-// uses it (dependent_launch_active(): compute capability 9.0 and up, not turned off) and the kernel's
-// code has pdl_enter() compiled in (PTX 9.0 and up). Every kernel here calls pdl_enter() before it
-// reads anything but weights and kernel arguments.
+// launch() of cuda/launch.cuh for this file's Stream handles. Every kernel here calls pdl_enter() before
+// it reads anything but weights and kernel arguments.
 template <typename... Params, typename... Args>
 void dn_launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Stream s, Args&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = static_cast<cudaStream_t>(s);
-  cudaLaunchAttribute attr[1];
-  if (dependent_launch_active() && kernel_ptx_version(reinterpret_cast<const void*>(kernel), "kernel launch") >= 90) {
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-  }
-  (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  launch(kernel, grid, block, smem, static_cast<cudaStream_t>(s), std::forward<Args>(args)...);
 }
 
 inline unsigned dn_blocks(int64_t n, int64_t per) { return static_cast<unsigned>((n + per - 1) / per); }

@@ -33,6 +33,7 @@
 #include "cuda/blocks.cuh"
 #include "cuda/sync.cuh"
 #include "cuda/kernel_util.h"
+#include "cuda/launch.cuh"
 #include "runtime/error.h"
 
 namespace fitmoe::gpu {
@@ -85,25 +86,7 @@ bool pdl_supported() {
 }
 bool pdl_on() { return g_pdl_allowed.load(std::memory_order_relaxed) && pdl_supported(); }
 
-// Launches kernel<<<grid, block, smem, s>>>(args...), with PDL when the device and the kernel's code
-// (its PTX version: pdl_enter() is compiled in only for sm_90 and up) allow it. Errors surface at the
-// caller's launched().
-template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  if (pdl_on() && kernel_ptx_version(reinterpret_cast<const void*>(kernel), "kernel launch") >= 90) {
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-  }
-  (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-}
+// (Kernels go out through launch() of cuda/launch.cuh: with PDL where dependent_launch_active().)
 
 // ================================ device-side helpers =============================================
 
