@@ -6,8 +6,10 @@
 # llama-bench must be a CUDA build for the device's GPU (sm_90), statically linked against ggml; it is
 # built from the reference's public source and never committed (refbin/ is git-ignored).
 # Placements compared: all on the GPU; the anchors' 8 GiB case (experts of the first 36 of 48 layers on
-# the host, pinned, q8_0 KV, flash attention) with the reference's default and best micro-batches; and
-# fitmoe at --vram 8G and at the reference's own placement (the same --override-tensor rule).
+# the host for the Qwen3-30B-A3B shape, 30 of 40 for Qwen3.6-35B-A3B, 20 of 30 for Gemma 4 26B-A4B;
+# pinned, q8_0 KV, flash attention) with the reference's default and best micro-batches; fitmoe at
+# --vram 8G, at the reference's own placement (the same --override-tensor rule) and on the CPU only.
+#   REF_ARCH=qwen3moe|qwen35moe|gemma4 (default qwen3moe): which full-size shape gen-model writes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=/tmp/fitmoe-bin
@@ -18,8 +20,15 @@ export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:/usr/local/cuda/lib64
 # The reference's build links NCCL dynamically; the device image has it in its Python packages.
 nccl=$(find / -name 'libnccl.so.2' -not -path '/proc/*' 2>/dev/null | head -n 1)
 [ -n "$nccl" ] && export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$(dirname "$nccl")
-MODEL=/tmp/fitmoe-q3moe-30b-a3b-q4_k_m.gguf
-OT='blk\.([0-9]|[12][0-9]|3[0-5])\.ffn_(gate|up|down)_exps\.weight=CPU'
+ARCH=${REF_ARCH:-qwen3moe}
+case "$ARCH" in
+  qwen3moe) PRESET=30b-a3b; OT='blk\.([0-9]|[12][0-9]|3[0-5])\.ffn_(gate|up|down)_exps\.weight=CPU' ;;
+  qwen35moe) PRESET=35b-a3b; OT='blk\.([0-9]|[12][0-9])\.ffn_(gate|up|down)_exps\.weight=CPU' ;;
+  gemma4) PRESET=26b-a4b; OT='blk\.([0-9]|1[0-9])\.ffn_(gate_up|gate|up|down)_exps\.weight=CPU' ;;
+  *) echo "REF_ARCH: qwen3moe, qwen35moe or gemma4"; exit 1 ;;
+esac
+MODEL=/tmp/fitmoe-$ARCH-$PRESET-q4_k_m.gguf
+[ "$ARCH" = qwen3moe ] && MODEL=/tmp/fitmoe-q3moe-30b-a3b-q4_k_m.gguf  # (the name device-run.sh uses)
 [ -x "$BIN/llama-bench" ] || { echo "no llama-bench in refbin/"; exit 1; }
 # Shared libraries the reference's build wants (CUDA runtime, cuBLAS): wherever this machine has them.
 for lib in $(ldd "$BIN/llama-bench" | awk '/not found/ {print $1}'); do
@@ -30,11 +39,12 @@ ldd "$BIN/llama-bench" | grep 'not found' && echo "(the reference will not start
 # Weights of host-resident tensors in pinned memory, not the file mapping: "-mmp 0" (builds from
 # before that flag's rename take REF_LOAD="-lm none").
 REF_LOAD=${REF_LOAD:--mmp 0}
-[ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 1
+[ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch "$ARCH" --preset "$PRESET" --type q4_k_m -o "$MODEL" | tail -n 1
+echo "== host: $(nproc) cores, $(lscpu | grep 'Model name' | sed 's/  */ /g'); load $(cat /proc/loadavg)"
 
-echo "== reference, all on the GPU"
-"$BIN/llama-bench" -m "$MODEL" -ngl 99 -fa on -p 512,2048 -n 128 -r 3 2>&1 | grep -E '^\||error|failed' 
-echo "== reference, 36/48 layers' experts on the host (pinned, q8_0 KV), micro-batch 512 and 2048"
+echo "== reference, all on the GPU, micro-batch 512 and 2048"
+"$BIN/llama-bench" -m "$MODEL" -ngl 99 -fa on -ub 512,2048 -p 512,2048 -n 128 -r 3 2>&1 | grep -E '^\||error|failed'
+echo "== reference, the anchors' host-expert placement $OT (pinned, q8_0 KV), micro-batch 512 and 2048"
 "$BIN/llama-bench" -m "$MODEL" -ngl 99 -fa on -ot "$OT" -ctk q8_0 -ctv q8_0 $REF_LOAD -ub 512,2048 -p 512,2048 -n 128 -r 3 2>&1 | grep -E '^\|'
 
 echo "== fitmoe, all on the GPU"
@@ -42,9 +52,11 @@ echo "== fitmoe, all on the GPU"
 echo "== fitmoe, --vram 8G"
 FITMOE_HOST_PROFILE=1 "$BIN/fitmoe" bench -m "$MODEL" --vram 8G -p 512,2048 -n 128 -r 3 2>/tmp/fitmoe-8g.err
 grep -E '^host experts|^GPU clock|^routing guesses' /tmp/fitmoe-8g.err
+echo "== fitmoe, CPU only, $(nproc) threads (bound: the host RAM probe over the bytes read per token)"
+"$BIN/fitmoe" bench -m "$MODEL" --gpu none -t "$(nproc)" -p 0 -n 32 -r 2 2>/dev/null
 # REF_QUICK=1: only the comparisons above (when device time is short).
 [ -n "${REF_QUICK:-}" ] && exit 0
 echo "== fitmoe, --vram 8G with the CPU computing every host expert (no GPU share)"
 "$BIN/fitmoe" bench -m "$MODEL" --vram 8G --host-experts-gpu-share 0 -p 0 -n 128 -r 3 2>/dev/null
-echo "== fitmoe, the reference's placement (36/48 layers' experts on the host)"
+echo "== fitmoe, the reference's placement ($OT)"
 "$BIN/fitmoe" bench -m "$MODEL" --override-tensor "$OT" -p 512,2048 -n 128 -r 3 2>/dev/null

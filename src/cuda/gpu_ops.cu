@@ -181,13 +181,9 @@ __device__ __forceinline__ void mv_load_act(const uint8_t* row, int64_t blk, int
   }
 }
 
-// Q8_K: one warp per 256-value block xb, 8 consecutive values per lane, into the 292-byte block blk.
-__device__ __forceinline__ void quantize_q8k_block(const float* xb, uint8_t* blk, int lane) {
-  xb += 8 * lane;
-  float v[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) v[j] = xb[j];
-  // The value of largest magnitude, the first one on ties (as the reference's strict '>').
+// The reference's Q8_K scale of one 256-value block (a warp, 8 values per lane in v): -127 over the
+// value of largest magnitude, the first one on ties (as its strict '>'); 0 for an all-zero block.
+__device__ __forceinline__ float q8k_block_iscale(const float (&v)[8], int lane) {
   float amax = 0.0f, mx = 0.0f;
   int idx = INT_MAX;
 #pragma unroll
@@ -210,11 +206,20 @@ __device__ __forceinline__ void quantize_q8k_block(const float* xb, uint8_t* blk
       idx = oi;
     }
   }
+  return amax != 0.0f ? __fdiv_rn(-127.0f, mx) : 0.0f;
+}
+
+// Q8_K: one warp per 256-value block xb, 8 consecutive values per lane, into the 292-byte block blk.
+__device__ __forceinline__ void quantize_q8k_block(const float* xb, uint8_t* blk, int lane) {
+  xb += 8 * lane;
+  float v[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = xb[j];
+  const float iscale = q8k_block_iscale(v, lane);
   uint32_t packed[2] = {0, 0};
   int s = 0;
   float d = 0.0f;
-  if (amax != 0.0f) {
-    const float iscale = __fdiv_rn(-127.0f, mx);
+  if (iscale != 0.0f) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int q = min(__float2int_rn(__fmul_rn(iscale, v[j])), 127);
@@ -1269,6 +1274,66 @@ __global__ void convert_rows_kernel(const float* __restrict__ x, int64_t n, int 
     static_cast<uint16_t*>(dst)[r * ld_dst + i] = f2bf_bits(v);
   } else {
     static_cast<float*>(dst)[r * ld_dst + i] = v;
+  }
+}
+
+// The reference rounds the activations of a quantized weight's products to 8 bits per block (Q8_K:
+// blocks of 256, Q8_0 / Q8_1: blocks of 32) before its integer dot products. Prefill's tensor-core
+// products take the same rounded values, q * d (then rounded to Out), so that they differ from the
+// reference by the f16 rounding of q * d only, not by the whole 8-bit rounding (which moved a Gemma
+// model's logits by 3%). The scales and codes are quant_q8k_kernel's / quant_q8_kernel's.
+__device__ __forceinline__ void store_as(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_as(__half* p, float v) { *p = __float2half_rn(v); }
+
+template <typename Out>
+__global__ void round_q8k_rows_kernel(const float* __restrict__ x, int64_t n, int rows, int64_t ld_x, Out* __restrict__ y,
+                                      int64_t ld_y) {
+  const int64_t nb = n / 256;
+  const int64_t gb = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);  // one warp per block
+  if (gb >= nb * rows) return;
+  const int lane = threadIdx.x & 31;
+  const int64_t r = gb / nb, b = gb % nb;
+  const float* xb = x + r * ld_x + b * 256 + 8 * lane;
+  float v[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = xb[j];
+  const float iscale = q8k_block_iscale(v, lane);
+  const float d = iscale != 0.0f ? __fdiv_rn(1.0f, iscale) : 0.0f;
+  Out* yb = y + r * ld_y + b * 256 + 8 * lane;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int q = iscale != 0.0f ? min(__float2int_rn(__fmul_rn(iscale, v[j])), 127) : 0;
+    store_as(yb + j, __fmul_rn(d, static_cast<float>(q)));
+  }
+}
+
+template <typename Out>
+__global__ void round_q8_rows_kernel(const float* __restrict__ x, int64_t n, int rows, int64_t ld_x, Out* __restrict__ y,
+                                     int64_t ld_y) {
+  const int64_t nb = n / 32;
+  const int64_t gb = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // one thread per block
+  if (gb >= nb * rows) return;
+  const int64_t r = gb / nb, b = gb % nb;
+  const float* xb = x + r * ld_x + b * 32;
+  float amax = 0.0f;
+  for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(xb[j]));
+  const float d = __half2float(__float2half_rn(__fdiv_rn(amax, 127.0f)));  // stored as f16
+  const float id = amax != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+  Out* yb = y + r * ld_y + b * 32;
+  for (int j = 0; j < 32; ++j) store_as(yb + j, __fmul_rn(d, static_cast<float>(__float2int_rn(__fmul_rn(xb[j], id)))));
+}
+
+bool rounds_acts(DType act) { return act == DType::Q8_K || act == DType::Q8_0 || act == DType::Q8_1; }
+
+template <typename Out>
+void launch_round_acts(DType act, const float* x, int64_t n, int rows, int64_t ld_x, Out* y, int64_t ld_y,
+                       cudaStream_t s) {
+  if (act == DType::Q8_K) {
+    if (n % 256 != 0) fail("round_acts: Q8_K rows of whole 256-value blocks only, not " + std::to_string(n));
+    round_q8k_rows_kernel<Out><<<blocks_for(n / 256 * rows, 8), 256, 0, s>>>(x, n, rows, ld_x, y, ld_y);
+  } else {
+    if (n % 32 != 0) fail("round_acts: rows of whole 32-value blocks only, not " + std::to_string(n));
+    round_q8_rows_kernel<Out><<<blocks_for(n / 32 * rows, 128), 128, 0, s>>>(x, n, rows, ld_x, y, ld_y);
   }
 }
 
@@ -3122,6 +3187,13 @@ void quantize_acts(DType act, const float* x, int64_t n, int rows, int64_t ld_x,
   launched("quantize_acts");
 }
 
+void round_acts(DType act, const float* x, int64_t n, int rows, int64_t ld_x, float* y, int64_t ld_y, Stream s) {
+  if (rows <= 0) return;
+  if (!rounds_acts(act)) fail(std::string("round_acts: ") + tname(act) + " is not an 8-bit activation format");
+  launch_round_acts(act, x, n, rows, ld_x, y, ld_y, cs(s));
+  launched("round_acts");
+}
+
 void matvec(const DevMatrix& w, const void* acts, int n_tokens, float* y, int64_t ld_y, Stream s) {
   if (n_tokens <= 0) return;
   if (n_tokens > kMaxVecTokens)
@@ -3346,8 +3418,10 @@ void matmul(const DevMatrix& w, int64_t mat, const float* x, int64_t ld_x, int n
   const size_t row_b = static_cast<size_t>(k) * 2;
   const bool bf = w.type == DType::BF16;
   const cudaDataType_t ab_type = bf ? CUDA_R_16BF : CUDA_R_16F;
+  const DType act = dtype_info(w.type).act_type;  // the reference's rounding of the activations
   auto convert = [&](int t0, int nc) {
-    if (bf) launch_convert<1>(x + t0 * ld_x, k, nc, ld_x, sc, k, st);
+    if (rounds_acts(act)) launch_round_acts(act, x + t0 * ld_x, k, nc, ld_x, reinterpret_cast<__half*>(sc), k, st);
+    else if (bf) launch_convert<1>(x + t0 * ld_x, k, nc, ld_x, sc, k, st);
     else launch_convert<0>(x + t0 * ld_x, k, nc, ld_x, sc, k, st);
     launched("matmul (convert)");
   };

@@ -8,7 +8,8 @@
 //   byte-identical to quant::quantize_act_row_ref, and integer block dot products give the same
 //   per-block values as quant::vec_dot_ref (only the float summation order differs).
 // - Larger batches (prefill): weights are dequantized to f16 (F32 weights: f32) tile by tile and
-//   multiplied with cuBLAS (f32 accumulation); activations are rounded to f16 for those.
+//   multiplied with cuBLAS (f32 accumulation); activations are rounded to f16 for those, for quantized
+//   weights after the reference's 8-bit rounding (round_acts).
 // - Attention emulates the reference's non-flash path with an f16 (or f32) cache exactly as
 //   cpu::attention does: Q rounded to the cache type, softmax in f32, P rounded to the cache type.
 // All pointers are device pointers unless named host_*. Sizes are in elements unless named *_bytes.
@@ -78,6 +79,10 @@ void rope_neox(float* x, int n_tokens, int n_heads, int head_dim, int64_t ld, in
 // Bytes of x converted to act type for `rows` rows of n values; conversion as quantize_act_row_ref.
 size_t act_bytes(DType act, int64_t n, int rows);
 void quantize_acts(DType act, const float* x, int64_t n, int rows, int64_t ld_x, void* dst, Stream s);
+// y = x's rows rounded through act's 8-bit blocks and back (act Q8_K, Q8_0 or Q8_1): each value q * d
+// exactly as dequantizing quantize_act_row_ref's output gives it. The reference's integer products see
+// these values; prefill's floating-point products are given them (matmul does this itself).
+void round_acts(DType act, const float* x, int64_t n, int rows, int64_t ld_x, float* y, int64_t ld_y, Stream s);
 
 // y[t * ld_y + r] = W[r] . x[t] for t < n_tokens <= kMaxVecTokens, acts already converted to
 // dtype_info(w.type).act_type (rows act_bytes(act, w.cols, 1) apart).
@@ -139,7 +144,7 @@ size_t dequant_scratch_bytes(const DevMatrix& w);
 void matmul(const DevMatrix& w, int64_t mat, const float* x, int64_t ld_x, int n_tokens, float* y, int64_t ld_y,
             void* scratch, Stream s);
 // (added by the kernels) The scratch holds the dequantized f16 weights and the activations converted to
-// f16 (bf16 for BF16 weights), 16-byte aligned. matmul works with any size from dequant_scratch_bytes(w)
+// f16 (bf16 for BF16 weights; for quantized weights first rounded as round_acts does), 16-byte aligned. matmul works with any size from dequant_scratch_bytes(w)
 // (an f16 copy of up to 64 MiB of the rows; 0 for F32): it tiles weight rows and chunks tokens to fit.
 // The overload with scratch_bytes uses all of a larger scratch; matmul_scratch_bytes(w, n_tokens) is the
 // size for one dequantization of the whole matrix (up to 64 MiB of it) and one GEMM over all the tokens.

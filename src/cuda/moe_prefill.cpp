@@ -84,17 +84,19 @@ void ExpertStreamer::run(Step& s, int l, int nt, const MoeIo& io) {
   gpu::copy_h2d(st.idx_a, h_rows, sizeof(int32_t) * n_slots, stream);
   gpu::copy_h2d(st.idx_b, h_dst, sizeof(int32_t) * n_slots, stream);
 
+  const float* xr = rounded_input(s, io.expert_in, nt, X.gate.type);
   if (X.n_dev > 0) {
     // (Mixed gate/up types: the elementwise SwiGLU then runs over all slots; host experts' rows are
     // recomputed from scratch below, so that is harmless.)
-    gate_up(s, io.expert_in, X.gate, X.up, X.slot_of_dev, n_slots, 0, n_slots);
+    gate_up(s, io.expert_in, xr, nt, X.gate, X.up, X.slot_of_dev, n_slots, 0, n_slots);
+    round_rows(s, st.g, 0, n_slots, X.down.type);
     gpu::moe_matmul(X.down, st.offsets, NE, X.slot_of_dev, st.g, ff, nullptr, n_slots, st.ey, E, stream, st.idx_b);
   }
 
   // Host-resident experts: streamed chunks (already on their way), or the CPU for the ones used.
   if (!X.chunks.empty()) {
     if (st.layer_streams[l]) {
-      run_streamed_chunks(s, io.expert_in, X, l, h_off);
+      run_streamed_chunks(s, io.expert_in, xr, nt, X, l, h_off);
     } else {
       std::vector<int> host_used;
       for (int e = 0; e < NE; ++e)
@@ -106,21 +108,54 @@ void ExpertStreamer::run(Step& s, int l, int nt, const MoeIo& io) {
   // The outputs stay per slot in st.ey; MoeExecutor::combine combines them.
 }
 
-// h = silu(gate x) * (up x) for the grouped slots of the experts `slot_of` selects. One fused
-// launch when gate and up share a type; else two products and an elementwise SwiGLU over the rows
-// [row0, row0 + n_rows) that these experts own.
-void ExpertStreamer::gate_up(Step& s, const float* x, const DevMatrix& g3, const DevMatrix& u3, const int32_t* slot_of,
-                             int n_slots, int row0, int n_rows) {
+// x's nt rows rounded for a weight type's products (gpu::round_acts: the reference's 8-bit rounding
+// of the activations that its integer products see; the grouped products round them to f16 after
+// that, as gpu::matmul does), in the dequantization scratch, which no grouped product uses. x itself
+// for weights whose activations are not 8-bit.
+const float* ExpertStreamer::rounded_input(Step& s, const float* x, int nt, DType weight_type) {
+  Workspace& st = s.ws;
+  const DType act = dtype_info(weight_type).act_type;
+  if (act != DType::Q8_K && act != DType::Q8_0 && act != DType::Q8_1) return x;
+  const int E = e_.c.n_embd;
+  if (static_cast<size_t>(nt) * E * sizeof(float) > st.dequant_bytes)
+    throw Error("internal: the dequantization scratch cannot hold the experts' rounded input");
+  auto* xr = static_cast<float*>(st.dequant);
+  gpu::round_acts(act, x, E, nt, E, xr, E, e_.stream);
+  return xr;
+}
+
+// Rows [row0, row0 + n_rows) of the experts' hidden rows h (n_ff_exp wide) rounded in place for the
+// down products of weight_type (they are read by those only).
+void ExpertStreamer::round_rows(Step& s, float* h, int row0, int n_rows, DType weight_type) {
+  const DType act = dtype_info(weight_type).act_type;
+  if (n_rows <= 0 || (act != DType::Q8_K && act != DType::Q8_0 && act != DType::Q8_1)) return;
+  (void)s;
+  const int64_t ff = e_.c.n_ff_exp;
+  float* rows = h + static_cast<int64_t>(row0) * ff;
+  gpu::round_acts(act, rows, ff, n_rows, ff, rows, ff, e_.stream);
+}
+
+// h = silu(gate x) * (up x) for the grouped slots of the experts `slot_of` selects, from xr (x rounded
+// for the gate's type). One fused launch when gate and up share a type; else two products and an
+// elementwise SwiGLU over the rows [row0, row0 + n_rows) that these experts own.
+void ExpertStreamer::gate_up(Step& s, const float* x, const float* xr, int nt, const DevMatrix& g3,
+                             const DevMatrix& u3, const int32_t* slot_of, int n_slots, int row0, int n_rows) {
   Workspace& st = s.ws;
   void* const stream = e_.stream;
   const int NE = e_.c.n_expert, E = e_.c.n_embd;
   const int64_t ff = e_.c.n_ff_exp;
   if (g3.type == u3.type) {
-    gpu::moe_matmul_swiglu(g3, u3, st.offsets, NE, slot_of, x, E, st.idx_a, n_slots, st.g, ff, stream);
+    gpu::moe_matmul_swiglu(g3, u3, st.offsets, NE, slot_of, xr, E, st.idx_a, n_slots, st.g, ff, stream);
     return;
   }
-  gpu::moe_matmul(g3, st.offsets, NE, slot_of, x, E, st.idx_a, n_slots, st.g, ff, stream);
-  gpu::moe_matmul(u3, st.offsets, NE, slot_of, x, E, st.idx_a, n_slots, st.u, ff, stream);
+  gpu::moe_matmul(g3, st.offsets, NE, slot_of, xr, E, st.idx_a, n_slots, st.g, ff, stream);
+  if (dtype_info(u3.type).act_type == dtype_info(g3.type).act_type) {
+    gpu::moe_matmul(u3, st.offsets, NE, slot_of, xr, E, st.idx_a, n_slots, st.u, ff, stream);
+  } else {  // (the scratch is rounded for up, then again for the gate's next chunk: stream order)
+    gpu::moe_matmul(u3, st.offsets, NE, slot_of, rounded_input(s, x, nt, u3.type), E, st.idx_a, n_slots, st.u, ff,
+                    stream);
+    rounded_input(s, x, nt, g3.type);
+  }
   gpu::swiglu(st.g + static_cast<int64_t>(row0) * ff, st.u + static_cast<int64_t>(row0) * ff,
               st.g + static_cast<int64_t>(row0) * ff, static_cast<int64_t>(n_rows) * ff, stream);
 }
@@ -192,7 +227,8 @@ void ExpertStreamer::issue_chunk_copy(Step& s) {
 
 // The streamed chunks of layer l, in order: wait for a chunk's upload, run its experts' grouped
 // products (skipped when the batch routed nothing to them), free the buffer, release the next copy.
-void ExpertStreamer::run_streamed_chunks(Step& s, const float* x, GExperts& X, int l, const int32_t* h_off) {
+void ExpertStreamer::run_streamed_chunks(Step& s, const float* x, const float* xr, int nt, GExperts& X, int l,
+                                         const int32_t* h_off) {
   Workspace& st = s.ws;
   void* const stream = e_.stream;
   const int chunk_experts = e_.chunk_experts;
@@ -221,7 +257,8 @@ void ExpertStreamer::run_streamed_chunks(Step& s, const float* x, GExperts& X, i
       g3.n_mats = u3.n_mats = d3.n_mats = static_cast<int>(ch.experts.size());
       // (With mixed gate/up types, SwiGLU covers the grouped rows from the chunk's first used expert
       // to its last.)
-      gate_up(s, x, g3, u3, ch.slot_of_dev, chunk_slots, lo, hi - lo);
+      gate_up(s, x, xr, nt, g3, u3, ch.slot_of_dev, chunk_slots, lo, hi - lo);
+      round_rows(s, st.g, lo, hi - lo, d3.type);
       gpu::moe_matmul(d3, st.offsets, NE, ch.slot_of_dev, st.g, ff, nullptr, chunk_slots, st.ey, E, stream, st.idx_b);
     }
     gpu::record_event(st.ev_free[b], stream);

@@ -129,10 +129,14 @@ void measure_cpu_kernels(ThreadPool& pool, MachineProfile& m) {
     m.cpu_decode_bw = static_cast<double>(steps * 24) * mat_bytes / best;
   }
   {
-    const int64_t rows = 512;  // 0.6 MB: one expert's matrix of a 30B-A3B model is about as large
+    // Eight 64-row work items per thread (at least 512 rows, about one expert's matrix of a 30B-A3B
+    // model): the MoE's prefill hands the pool every used expert's tiles of a layer at once, so each
+    // thread is busy. (A single 512-row matrix left half of a 16-thread pool idle: the plan predicted
+    // 81 tok/s where bench measured 144, H200 host, 2026-12-02.)
+    const int64_t rows = std::max<int64_t>(512, 64 * 8 * static_cast<int64_t>(pool.size()));
     std::vector<uint8_t> w(static_cast<size_t>(rows) * rb);
     quant::fill_random_rows(DType::Q4_K, w.data(), rows, cols, 0.02f, 2);
-    std::vector<float> out(64 * rows);
+    std::vector<float> out(static_cast<size_t>(64) * rows);
     const int widths[3] = {1, 8, 64};
     for (int i = 0; i < 3; ++i) {
       const int nc = widths[i];
@@ -186,7 +190,7 @@ MachineProfile probe_machine(int n_threads, bool use_gpu, bool use_cache) {
   // A profile holds for one machine as this build measures it: the version part retires profiles of
   // builds whose measurement differed, and the CPU, its threads and instruction set, the RAM's size and
   // the GPU tell machines (and a container moved to another host) apart; anything else is re-measured.
-  const std::string key = "v4|" + cpu_model() + "|" + std::to_string(m.cpu_threads) + " threads|" +
+  const std::string key = "v5|" + cpu_model() + "|" + std::to_string(m.cpu_threads) + " threads|" +
                           quant::isa_name(quant::best_isa()) + "|" + std::to_string(host_memory_total() >> 30) +
                           " GiB|" + gpu_key;
   const std::string path = cache_path();
