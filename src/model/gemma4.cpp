@@ -147,7 +147,7 @@ class Gemma4State final : public ModelState {
 
 class Gemma4Model final : public Model {
  public:
-  Gemma4Model(std::shared_ptr<gguf::File> file, const LoadOptions& opt) : gpu_enabled_(opt.plan.untested_gpu_passes) {
+  Gemma4Model(std::shared_ptr<gguf::File> file, const LoadOptions&) {
     file_ = std::move(file);
     parse_config();
     load_weights();
@@ -204,8 +204,7 @@ class Gemma4Model final : public Model {
     }
   }
 
-  // (Not yet run on a GPU: PlanOptions::untested_gpu_passes turns it on for its tests.)
-  bool has_gpu_forward() const override { return gpu_enabled_; }
+  bool has_gpu_forward() const override { return true; }
   bool init_gpu(const LoadOptions& opt) override {
 #if FITMOE_CUDA
     gpu_ = make_gemma4_gpu(w_, cfg_, plan_, opt);
@@ -525,7 +524,6 @@ class Gemma4Model final : public Model {
   }
 
   std::vector<LayerSpec> specs_;
-  bool gpu_enabled_ = false;  // PlanOptions::untested_gpu_passes
   Gemma4Weights w_;
 };
 

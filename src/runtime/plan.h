@@ -76,9 +76,6 @@ struct PlanOptions {
   // launched one by one), and hybrid decode's routing guess with its read-ahead of host experts.
   bool decode_graphs = true;
   bool routing_guess = true;
-  // GPU passes written but not yet run on a GPU (gemma4's): off, so that such a model runs on the CPU,
-  // until their GPU tests (which turn it on) have passed and the switch is removed.
-  bool untested_gpu_passes = false;
 };
 
 struct TensorPlacement {

@@ -216,7 +216,6 @@ std::unique_ptr<Model> load_g4(const std::string& path, const std::string& mode)
   LoadOptions lo;
   lo.plan.n_ctx = 512;
   lo.plan.n_ubatch = 256;
-  lo.plan.untested_gpu_passes = true;
   if (mode.find("/nographs") != std::string::npos) lo.plan.decode_graphs = false;
   if (mode.rfind("cpu_moe", 0) == 0) lo.plan.cpu_moe = true;
   if (mode.rfind("n_cpu_moe1", 0) == 0) lo.plan.n_cpu_moe = 1;
@@ -314,7 +313,6 @@ TEST(GpuGemma4, MatchesTheCpuPastTheWindow) {
   for (const char* mode : {"gpu", "cpu_moe"}) {
     LoadOptions lo;
     lo.plan.n_ctx = 1200;
-    lo.plan.untested_gpu_passes = true;
     if (std::string(mode) == "cpu_moe") lo.plan.cpu_moe = true;
     auto gpu_model = Model::load(dst, lo);
     ASSERT_TRUE(gpu_model->on_gpu());
