@@ -175,6 +175,23 @@ uint64_t gpu_scratch_bytes(const ModelConfig& cfg, int n_ubatch, int n_ctx, uint
     if (shff) buf(U * shff * 4), buf(U * shff * 4);
     for (int i = 0; i < 3; ++i) buf(U * std::max({ch, vd, 2 * qgw, shff}) * 4);
   }
+  // gemma4 (src/cuda/gemma4_gpu.cpp, Gemma4GpuState): micro-batches of at most kSlidingMicroBatch
+  // tokens; q / att and k / v at the widest layer's heads, the second residual, the router's and the
+  // experts' inputs, the dense branch's gate and up, and the routed experts' rows.
+  if (cfg.arch == "gemma4") {
+    const uint64_t G = std::min<uint64_t>(U, kSlidingMicroBatch);
+    uint64_t gq = 1, gk = 1;
+    for (const LayerSpec& l : layer_specs(cfg, false))
+      gq = std::max<uint64_t>(gq, static_cast<uint64_t>(l.attn().n_head) * l.attn().head_dim),
+      gk = std::max<uint64_t>(gk, static_cast<uint64_t>(l.attn().n_head_kv) * l.attn().head_dim);
+    const uint64_t dff = static_cast<uint64_t>(std::max<int64_t>(cfg.n_ff, 1));
+    for (uint64_t w : {gq, gk, gk, gq, n, n, n, dff, dff}) buf(G * w * 4);
+    if (cfg.n_expert) {
+      const uint64_t eff = static_cast<uint64_t>(std::max<int64_t>(cfg.n_ff_exp, 1));
+      buf(vec_tokens * k * eff * 4), buf(vec_tokens * k * eff * 4), buf(G * k * n * 4), buf(G * E * 4),
+          buf(G * k * 4), buf(G * k * 4);
+    }
+  }
   return total * 21 / 20;
 }
 
