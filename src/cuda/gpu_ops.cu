@@ -1323,8 +1323,6 @@ __global__ void round_q8_rows_kernel(const float* __restrict__ x, int64_t n, int
   for (int j = 0; j < 32; ++j) store_as(yb + j, __fmul_rn(d, static_cast<float>(__float2int_rn(__fmul_rn(xb[j], id)))));
 }
 
-bool rounds_acts(DType act) { return act == DType::Q8_K || act == DType::Q8_0 || act == DType::Q8_1; }
-
 template <typename Out>
 void launch_round_acts(DType act, const float* x, int64_t n, int rows, int64_t ld_x, Out* y, int64_t ld_y,
                        cudaStream_t s) {
@@ -3186,6 +3184,8 @@ void quantize_acts(DType act, const float* x, int64_t n, int rows, int64_t ld_x,
   }
   launched("quantize_acts");
 }
+
+bool rounds_acts(DType act) { return act == DType::Q8_K || act == DType::Q8_0 || act == DType::Q8_1; }
 
 void round_acts(DType act, const float* x, int64_t n, int rows, int64_t ld_x, float* y, int64_t ld_y, Stream s) {
   if (rows <= 0) return;

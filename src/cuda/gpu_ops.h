@@ -83,6 +83,8 @@ void quantize_acts(DType act, const float* x, int64_t n, int rows, int64_t ld_x,
 // exactly as dequantizing quantize_act_row_ref's output gives it. The reference's integer products see
 // these values; prefill's floating-point products are given them (matmul does this itself).
 void round_acts(DType act, const float* x, int64_t n, int rows, int64_t ld_x, float* y, int64_t ld_y, Stream s);
+// Whether round_acts takes act (the 8-bit activation formats).
+bool rounds_acts(DType act);
 
 // y[t * ld_y + r] = W[r] . x[t] for t < n_tokens <= kMaxVecTokens, acts already converted to
 // dtype_info(w.type).act_type (rows act_bytes(act, w.cols, 1) apart).

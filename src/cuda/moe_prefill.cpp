@@ -89,7 +89,7 @@ void ExpertStreamer::run(Step& s, int l, int nt, const MoeIo& io) {
     // (Mixed gate/up types: the elementwise SwiGLU then runs over all slots; host experts' rows are
     // recomputed from scratch below, so that is harmless.)
     gate_up(s, io.expert_in, xr, nt, X.gate, X.up, X.slot_of_dev, n_slots, 0, n_slots);
-    round_rows(s, st.g, 0, n_slots, X.down.type);
+    round_rows(st.g, 0, n_slots, X.down.type);
     gpu::moe_matmul(X.down, st.offsets, NE, X.slot_of_dev, st.g, ff, nullptr, n_slots, st.ey, E, stream, st.idx_b);
   }
 
@@ -115,7 +115,7 @@ void ExpertStreamer::run(Step& s, int l, int nt, const MoeIo& io) {
 const float* ExpertStreamer::rounded_input(Step& s, const float* x, int nt, DType weight_type) {
   Workspace& st = s.ws;
   const DType act = dtype_info(weight_type).act_type;
-  if (act != DType::Q8_K && act != DType::Q8_0 && act != DType::Q8_1) return x;
+  if (!gpu::rounds_acts(act)) return x;
   const int E = e_.c.n_embd;
   if (static_cast<size_t>(nt) * E * sizeof(float) > st.dequant_bytes)
     throw Error("internal: the dequantization scratch cannot hold the experts' rounded input");
@@ -126,10 +126,9 @@ const float* ExpertStreamer::rounded_input(Step& s, const float* x, int nt, DTyp
 
 // Rows [row0, row0 + n_rows) of the experts' hidden rows h (n_ff_exp wide) rounded in place for the
 // down products of weight_type (they are read by those only).
-void ExpertStreamer::round_rows(Step& s, float* h, int row0, int n_rows, DType weight_type) {
+void ExpertStreamer::round_rows(float* h, int row0, int n_rows, DType weight_type) {
   const DType act = dtype_info(weight_type).act_type;
-  if (n_rows <= 0 || (act != DType::Q8_K && act != DType::Q8_0 && act != DType::Q8_1)) return;
-  (void)s;
+  if (n_rows <= 0 || !gpu::rounds_acts(act)) return;
   const int64_t ff = e_.c.n_ff_exp;
   float* rows = h + static_cast<int64_t>(row0) * ff;
   gpu::round_acts(act, rows, ff, n_rows, ff, rows, ff, e_.stream);
@@ -258,7 +257,7 @@ void ExpertStreamer::run_streamed_chunks(Step& s, const float* x, const float* x
       // (With mixed gate/up types, SwiGLU covers the grouped rows from the chunk's first used expert
       // to its last.)
       gate_up(s, x, xr, nt, g3, u3, ch.slot_of_dev, chunk_slots, lo, hi - lo);
-      round_rows(s, st.g, lo, hi - lo, d3.type);
+      round_rows(st.g, lo, hi - lo, d3.type);
       gpu::moe_matmul(d3, st.offsets, NE, ch.slot_of_dev, st.g, ff, nullptr, chunk_slots, st.ey, E, stream, st.idx_b);
     }
     gpu::record_event(st.ev_free[b], stream);

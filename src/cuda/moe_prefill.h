@@ -34,7 +34,7 @@ class ExpertStreamer {
  private:
   // The products' inputs rounded as the reference's integer products see them (gpu::round_acts).
   const float* rounded_input(Step& s, const float* x, int nt, DType weight_type);
-  void round_rows(Step& s, float* h, int row0, int n_rows, DType weight_type);
+  void round_rows(float* h, int row0, int n_rows, DType weight_type);
   void gate_up(Step& s, const float* x, const float* xr, int nt, const DevMatrix& g3, const DevMatrix& u3,
                const int32_t* slot_of, int n_slots, int row0, int n_rows);
   void host_experts_on_cpu(Step& s, const float* x, GExperts& X, const std::vector<int>& used, const int32_t* h_off,

@@ -794,7 +794,7 @@ void check_matmul(Stream s, std::function<void()> sync, DType t, int64_t n, int6
   // (its 8-bit activation blocks), then to f16
   auto rnd = [&](float v) { return t == DType::F32 ? v : t == DType::BF16 ? round_bf16(v) : round_f16(v); };
   const DType act = dtype_info(t).act_type;
-  const bool q8 = act == DType::Q8_K || act == DType::Q8_0 || act == DType::Q8_1;
+  const bool q8 = rounds_acts(act);
   std::vector<float> xr(static_cast<size_t>(n) * nt);
   std::vector<uint8_t> blk(row_bytes(act, n));
   for (int tk = 0; tk < nt; ++tk) {
