@@ -43,7 +43,11 @@ REF_LOAD=${REF_LOAD:--mmp 0}
 echo "== host: $(nproc) cores, $(lscpu | grep 'Model name' | sed 's/  */ /g'); load $(cat /proc/loadavg)"
 
 echo "== reference, all on the GPU, micro-batch 512 and 2048"
-"$BIN/llama-bench" -m "$MODEL" -ngl 99 -fa on -ub 512,2048 -p 512,2048 -n 128 -r 3 2>&1 | grep -E '^\||error|failed'
+"$BIN/llama-bench" -m "$MODEL" -ngl 99 -fa on -ub 512,2048 -p 512,2048 -n 128 -r 3 2>&1 | tee /tmp/ref-all.log | grep -E '^\||error|failed'
+# A file the reference will not load: its own words why (llama-bench is silent unless -v).
+if grep -q 'failed to load model' /tmp/ref-all.log; then
+  "$BIN/llama-bench" -v -m "$MODEL" -ngl 0 -p 1 -n 0 -r 1 2>&1 | grep -iE 'error|failed|missing|key|wrong' | head -n 8
+fi
 echo "== reference, the anchors' host-expert placement $OT (pinned, q8_0 KV), micro-batch 512 and 2048"
 "$BIN/llama-bench" -m "$MODEL" -ngl 99 -fa on -ot "$OT" -ctk q8_0 -ctv q8_0 $REF_LOAD -ub 512,2048 -p 512,2048 -n 128 -r 3 2>&1 | grep -E '^\|'
 
@@ -54,6 +58,12 @@ FITMOE_HOST_PROFILE=1 "$BIN/fitmoe" bench -m "$MODEL" --vram 8G -p 512,2048 -n 1
 grep -E '^host experts|^GPU clock|^routing guesses' /tmp/fitmoe-8g.err
 echo "== fitmoe, CPU only, $(nproc) threads (bound: the host RAM probe over the bytes read per token)"
 "$BIN/fitmoe" bench -m "$MODEL" --gpu none -t "$(nproc)" -p 0 -n 32 -r 2 2>/dev/null
+# REF_PROFILE=1: where fitmoe's GPU time goes, all on the GPU, per op: a 512-token prefill micro-batch
+# and decode steps (FITMOE_PROFILE; graphs off).
+if [ -n "${REF_PROFILE:-}" ]; then
+  echo "== fitmoe, all on the GPU, per-op GPU profile (pp512, tg16)"
+  FITMOE_PROFILE=1 "$BIN/fitmoe" bench -m "$MODEL" -p 512 -n 16 -r 1 2>&1 | grep -v '^load\|^plan\|^|' | tail -n 40
+fi
 # REF_QUICK=1: only the comparisons above (when device time is short).
 [ -n "${REF_QUICK:-}" ] && exit 0
 echo "== fitmoe, --vram 8G with the CPU computing every host expert (no GPU share)"

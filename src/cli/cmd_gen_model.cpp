@@ -12,8 +12,8 @@ void register_gen_model(CLI::App& app) {
   auto spec = std::make_shared<SyntheticSpec>();
   auto out = std::make_shared<std::string>();
   auto threads = std::make_shared<int>(0);
-  cmd->add_option("--arch", spec->arch, "architecture: qwen3moe, qwen3, qwen35moe or qwen35");
-  cmd->add_option("--preset", spec->preset, "shape: qwen3moe 30b-a3b|tiny|tiny-wide, qwen3 0.6b|tiny, qwen35moe 35b-a3b|tiny|tiny-mtp, qwen35 tiny");
+  cmd->add_option("--arch", spec->arch, "architecture: qwen3moe, qwen3, qwen35moe, qwen35 or gemma4");
+  cmd->add_option("--preset", spec->preset, "shape: qwen3moe 30b-a3b|tiny|tiny-wide, qwen3 0.6b|tiny, qwen35moe 35b-a3b|tiny|tiny-mtp, qwen35 tiny, gemma4 26b-a4b|tiny");
   cmd->add_option("--type", spec->type, "type mix: q4_k_m, q6_k, q8_0, q4_0, f16, bf16, f32");
   cmd->add_option("--layers", spec->layers, "keep only the first N layers (full width; 0: the preset's all)")->check(at_least(0));
   auto skew = std::make_shared<std::string>();

@@ -65,7 +65,7 @@ void register_info(CLI::App& app) {
         std::printf("layers:        %s\n", gemma4_layer_pattern(c).c_str());
         std::printf("KV cache:      sliding layers keep their window + %d positions (a ring), global layers the whole context\n",
                     kSlidingMicroBatch);
-        std::printf("runs on:       the CPU (gemma4 has no GPU forward pass yet)\n");
+        std::printf("runs on:       the CPU, the GPU, or both (experts split by the plan)\n");
       }
       if (!c.recurrent_layers.empty()) {
         // Hybrid stacks: which layers are which, and the MTP block the trunk's pass does not run.

@@ -327,7 +327,7 @@ class Gemma4Gpu final : public GpuRunner, private gpu::LayerProgram {
     gpu::rms_norm(ws.y, G.post_attn_norm, ws.y, E, nt, eps, E, E, stream);
     gpu::residual_norm(ws.x, ws.y, nullptr, nullptr, 0, G.ffn_norm, ws.xn, E, nt, eps, stream);
     ws.xn_q_valid = false;
-    e_.prof.mark("attention block + ffn norm", stream);
+    e_.prof.mark("wo, post norm, residual, ffn norm", stream);
     // The dense GeGLU FFN into y.
     const int64_t ff = c_.n_ff;
     gpu::linear_shared(s, {{&G.ffn_gate, S.dg, ff}, {&G.ffn_up, S.du, ff}}, ws.xn, nt);
@@ -339,7 +339,7 @@ class Gemma4Gpu final : public GpuRunner, private gpu::LayerProgram {
     moe_block(s, l, nt);  // into S.y2
     gpu::rms_norm(S.y2, G.post_ffw_norm_2, S.y2, E, nt, eps, E, E, stream);
     gpu::add(ws.y, S.y2, static_cast<int64_t>(nt) * E, stream);
-    e_.prof.mark("moe branch", stream);
+    e_.prof.mark("host experts, combine, norms", stream);
   }
 
   // y = post_ffw_norm(y); x += y; x *= layer_output_scale; xn = next attn_norm(x).
@@ -405,8 +405,10 @@ class Gemma4Gpu final : public GpuRunner, private gpu::LayerProgram {
       gpu::gemma4_rope(S.k, nt, a.n_head_kv, hd, kw, a.n_rot, ws.pos, rope, ff, stream);
       gpu::gemma4_kv_store(kv, S.ring(l), ws.pos, nt, S.k, kw, S.v, kw, a.n_head_kv, hd, stream);
     }
+    e_.prof.mark(a.window > 0 ? "q/k/v, norms, rope, store (sliding)" : "q/k/v, norms, rope, store (global)", stream);
     gpu::gemma4_attention(S.q, qw, kv, S.ring(l), ws.pos, nt, a.n_head, a.n_head_kv, hd, a.scale, a.window, S.att, qw,
                           stream);
+    e_.prof.mark(a.window > 0 ? "attention (sliding)" : "attention (global)", stream);
     gpu::linear(s, G.wo, S.att, nt, ws.y, c_.n_embd);
   }
 
@@ -428,6 +430,7 @@ class Gemma4Gpu final : public GpuRunner, private gpu::LayerProgram {
     if (G.expert_scale) gpu::gemma4_expert_scale(S.wts, S.ids, G.expert_scale, nt * k, stream);
     // The experts' input.
     gpu::rms_norm(ws.x, G.pre_ffw_norm_2, S.xe, E, nt, eps, E, E, stream);
+    e_.prof.mark("router, top-k, expert input norm", stream);
     // Device-resident experts, kMaxVecTokens tokens at a time: per slot gate and up rows, GeGLU, down.
     if (X.n_dev > 0) {
       for (int t0 = 0; t0 < nt; t0 += gpu::kMaxVecTokens) {
@@ -444,6 +447,7 @@ class Gemma4Gpu final : public GpuRunner, private gpu::LayerProgram {
                             S.ey + static_cast<int64_t>(t0) * k * E, E, stream);
       }
     }
+    e_.prof.mark("device experts", stream);
     // Host-resident experts on the CPU threads, synchronously.
     if (X.n_dev < NE) {
       const int n_slots = nt * k;

@@ -12,12 +12,16 @@ namespace fitmoe::gpu {
 OpProfile::OpProfile() : on_(std::getenv("FITMOE_PROFILE") != nullptr) {}
 
 OpProfile::~OpProfile() {
-  if (steps_ > 0) report();
+  if (decode_.steps > 0) report("decode", decode_);
+  if (prefill_table_.steps > 0) report("prefill", prefill_table_);
   for (void* e : events_) gpu::destroy_event(e);
 }
 
-void OpProfile::begin(void* stream) {
+void OpProfile::begin(void* stream, int n_tokens) {
   if (!on_) return;
+  prefill_ = n_tokens > gpu::kMaxVecTokens;
+  Table& t = prefill_ ? prefill_table_ : decode_;
+  t.max_tokens = std::max(t.max_tokens, n_tokens);
   gpu::busy_wait(kBusyMs * 1000, stream);  // longer than the host needs to queue a step
   t_begin_ = std::chrono::steady_clock::now();
   n_ = 0;
@@ -37,28 +41,30 @@ void OpProfile::end(void* stream) {
   active_ = false;
   queue_ms_ = std::max(queue_ms_, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_begin_).count());
   gpu::sync_stream(stream);
+  Table& t = prefill_ ? prefill_table_ : decode_;
   for (size_t i = 1; i < n_; ++i) {
-    auto& [ms, calls] = totals_[names_[i]];
+    auto& [ms, calls] = t.totals[names_[i]];
     ms += gpu::elapsed_ms(events_[i - 1], events_[i]);
     ++calls;
   }
-  ++steps_;
+  ++t.steps;
 }
 
-void OpProfile::report() const {
+void OpProfile::report(const char* what, const Table& t) const {
   double total = 0;
-  for (const auto& [name, v] : totals_) total += v.first;
+  for (const auto& [name, v] : t.totals) total += v.first;
   std::vector<std::pair<double, std::string>> rows;
-  for (const auto& [name, v] : totals_) rows.emplace_back(v.first, name);
+  for (const auto& [name, v] : t.totals) rows.emplace_back(v.first, name);
   std::sort(rows.rbegin(), rows.rend());
-  std::fprintf(stderr, "\nGPU op profile, %d steps of up to %d tokens (FITMOE_PROFILE): %.1f us per step\n", steps_,
-               gpu::kMaxVecTokens, 1000.0 * total / steps_);
+  const int steps_ = t.steps;
+  std::fprintf(stderr, "\nGPU op profile (%s), %d steps of up to %d tokens (FITMOE_PROFILE): %.1f us per step\n", what,
+               steps_, t.max_tokens, 1000.0 * total / steps_);
   std::fprintf(stderr, "  (the host queued a step in at most %.1f ms; over %d ms the times include launch gaps)\n", queue_ms_,
                kBusyMs);
   std::fprintf(stderr, "  %-34s %10s %8s %7s\n", "op", "us/step", "calls", "share");
   for (const auto& [ms, name] : rows)
     std::fprintf(stderr, "  %-34s %10.1f %8.1f %6.1f%%\n", name.c_str(), 1000.0 * ms / steps_,
-                 static_cast<double>(totals_.at(name).second) / steps_, 100.0 * ms / total);
+                 static_cast<double>(t.totals.at(name).second) / steps_, 100.0 * ms / total);
 }
 
 HostProfile::HostProfile() : on(std::getenv("FITMOE_HOST_PROFILE") != nullptr) {}

@@ -1,5 +1,5 @@
 // The GPU engine's measuring aids (not on any result's path):
-// - OpProfile (FITMOE_PROFILE=1): where a decode step's GPU time goes, per op;
+// - OpProfile (FITMOE_PROFILE=1): where a step's GPU time goes, per op (decode and prefill apart);
 // - HostProfile (FITMOE_HOST_PROFILE=1): the CPU side of hybrid decode and the GPU's clock stamps.
 #pragma once
 #include <chrono>
@@ -9,15 +9,17 @@
 
 namespace fitmoe::gpu {
 
-// Where a decode step's GPU time goes (FITMOE_PROFILE=1): graphs are off, each profiled step is queued
-// behind a busy-wait so the GPU runs it back to back, and an event after every op gives the op's own
-// time. Printed per op name (mean per step) to stderr when the model is unloaded.
+// Where a step's GPU time goes (FITMOE_PROFILE=1): graphs are off, each profiled step is queued behind
+// a busy-wait so the GPU runs it back to back, and an event after every op gives the op's own time.
+// Printed per op name (mean per step) to stderr when the model is unloaded, decode-sized steps (up to
+// gpu::kMaxVecTokens tokens) and prefill micro-batches in two tables. A prefill step that syncs with
+// the host (host experts) counts the host's part in the op that waited.
 class OpProfile {
  public:
   OpProfile();
   ~OpProfile();
   bool on() const { return on_; }
-  void begin(void* stream);
+  void begin(void* stream, int n_tokens);
   // The op that just ended on `stream` (the time since the previous mark).
   void mark(const char* name, void* stream) {
     if (active_) record(name, stream);
@@ -26,16 +28,20 @@ class OpProfile {
 
  private:
   void record(const char* name, void* stream);
-  void report() const;
+  struct Table {
+    int steps = 0, max_tokens = 0;
+    std::map<std::string, std::pair<double, int>> totals;
+  };
+  void report(const char* what, const Table& t) const;
   static constexpr int kBusyMs = 30;
   bool on_, active_ = false;
+  bool prefill_ = false;
   std::chrono::steady_clock::time_point t_begin_;
   double queue_ms_ = 0;
   std::vector<void*> events_;
   std::vector<const char*> names_;
   size_t n_ = 0;
-  int steps_ = 0;
-  std::map<std::string, std::pair<double, int>> totals_;
+  Table decode_, prefill_table_;
 };
 
 // FITMOE_HOST_PROFILE=1: the CPU side of hybrid decode (graphs stay on): per hybrid layer, the time

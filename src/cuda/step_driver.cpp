@@ -171,7 +171,7 @@ void StepDriver::micro_batch(Step& s, std::span<const int32_t> tokens, int pos0,
   // Graphs are captured with the output head, so only steps that want logits replay them.
   if (nt == 1 && n_out == 1 && graphs_ok_) return decode_step_graphs(s, tokens[0], pos0, logits);
   prepare_inputs(s, tokens, pos0);
-  if (nt <= gpu::kMaxVecTokens) e_.prof.begin(e_.stream);
+  e_.prof.begin(e_.stream, nt);
   upload_inputs(s, nt);
   e_.prof.mark("inputs + first norm", e_.stream);
   if (nt > gpu::kMaxVecTokens) streamer_.start(s, nt);

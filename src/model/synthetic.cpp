@@ -394,6 +394,8 @@ SyntheticSummary write_synthetic_model(const SyntheticSpec& spec, const std::str
     w.set_f32(a + "rope.freq_base_swa", 10000.0f);
     w.set_f32(a + "final_logit_softcapping", 30.0f);
     w.set_u32(a + "attention.shared_kv_layers", 0);
+    // The reference's loader requires the per-layer-input width (0: none, as in the 26B-A4B).
+    w.set_u32(a + "embedding_length_per_layer_input", 0);
   } else {
     w.set_u32(a + "attention.head_count_kv", s.n_head_kv);
   }
