@@ -22,8 +22,12 @@ pack build-dev/tests/fitmoe_tests fitmoe_tests
 pack build-dev/fitmoe_expert_prefetch fitmoe_expert_prefetch
 if [ "$GPU_BENCH" = 1 ]; then pack build-dev/fitmoe_gpu_phase_sync fitmoe_gpu_phase_sync; fi
 TD=${FITMOE_TESTDATA:-../shared/testdata}
-for d in quant-vectors qwen3moe-tiny qwen3-draft; do
-  rm -rf "testdata-local/$d" && cp -r "$TD/$d" "testdata-local/$d"
+# FITMOE_FIXTURES: which fixture folders travel (all of them exceed the 64 MiB carry beside devbin/),
+# e.g. "quant-vectors gemma4-tiny gemma4moe-tiny" for a gemma4 run; the others are removed.
+FIXTURES=${FITMOE_FIXTURES:-quant-vectors qwen3moe-tiny qwen3-draft}
+rm -rf testdata-local/*
+for d in $FIXTURES; do
+  cp -r "$TD/$d" "testdata-local/$d"
 done
 # The reference's llama-bench for scripts/device-reference.sh (built elsewhere from its public source).
 if [ -n "${FITMOE_REF_BIN:-}" ]; then

@@ -74,13 +74,16 @@ __global__ void expert_scale_kernel(float* wts, const int32_t* ids, const float*
 
 // ---- RoPE with frequency factors ------------------------------------------------------------------
 
-// One CTA per token: the cos/sin table of its position (the CPU's loop, by one thread: the angle is a
-// chain of float products), then every head rotated.
+// One CTA per token: the angles of its position (the CPU's loop, by one thread: each angle is the
+// previous one times theta_scale, a chain of float products that must round as the CPU's does), then
+// their cos/sin by all threads (the double-precision sincos, serial in one thread, was most of the
+// kernel's time), then every head rotated.
 __global__ void rope_kernel(float* x, int n_heads, int head_dim, int64_t ld, int n_rot, const int32_t* pos,
                             float theta_scale, float freq_scale, float ext, float corr_lo, float corr_hi,
                             float mscale, const float* freq_factors) {
-  extern __shared__ float cs_tab[];  // [n_rot]: cos, sin per pair
+  extern __shared__ float cs_tab[];  // [n_rot]: cos, sin per pair; then [n_rot / 2] angles
   const int t = blockIdx.x, half = n_rot / 2;
+  float* angles = cs_tab + n_rot;
   if (threadIdx.x == 0) {
     float theta = static_cast<float>(pos[t]);
     for (int i = 0; i < half; ++i) {
@@ -91,12 +94,16 @@ __global__ void rope_kernel(float* x, int n_heads, int head_dim, int64_t ld, int
         const float mix = __fmul_rn(1.0f - fminf(1.0f, fmaxf(0.0f, y)), ext);
         th = __fadd_rn(__fmul_rn(th, __fsub_rn(1.0f, mix)), __fmul_rn(te, mix));
       }
-      double sd, cd;
-      sincos(static_cast<double>(th), &sd, &cd);
-      cs_tab[2 * i] = __fmul_rn(static_cast<float>(cd), mscale);
-      cs_tab[2 * i + 1] = __fmul_rn(static_cast<float>(sd), mscale);
+      angles[i] = th;
       theta = __fmul_rn(theta, theta_scale);
     }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    double sd, cd;
+    sincos(static_cast<double>(angles[i]), &sd, &cd);
+    cs_tab[2 * i] = __fmul_rn(static_cast<float>(cd), mscale);
+    cs_tab[2 * i + 1] = __fmul_rn(static_cast<float>(sd), mscale);
   }
   __syncthreads();
   float* row = x + static_cast<int64_t>(t) * ld;
@@ -221,6 +228,60 @@ __global__ void __launch_bounds__(kAttnThreads) attention_kernel(
   }
 }
 
+// The same attention with every score computed once: a warp per key (lanes across the head, so the
+// K row is read in coalesced pieces; the partial sums meet in a shuffle tree), the scores and then
+// the probabilities kept in shared memory [n_keys]. For caches whose visible keys fit there
+// (kSmemKeys); the kernel above takes the others. Same rounding points (Q and P to the cache type,
+// the sum in double); only the order of each score's summation differs.
+constexpr int kSmemBytes = 48 * 1024;  // what every supported GPU gives a block without opting in
+__global__ void __launch_bounds__(kAttnThreads) attention_smem_kernel(
+    const float* q, int64_t ld_q, const uint8_t* kc, const uint8_t* vc, bool f16, int cap, bool ring,
+    const int32_t* pos, int n_head, int n_head_kv, int hd, float scale, int window, float* out, int64_t ld_out) {
+  extern __shared__ float smem[];
+  float* qs = smem;        // [hd]
+  float* ps = qs + hd;     // [n_keys]: scores, then probabilities
+  __shared__ double red_d[kAttnThreads / 32];
+  __shared__ float red_f[kAttnThreads / 32];
+  const int t = blockIdx.x, h = blockIdx.y;
+  const int g = h / (n_head / n_head_kv);
+  const int p = pos[t];
+  const int lo = window > 0 ? max(0, p - window + 1) : 0;
+  const int n_keys = p - lo + 1;
+  const int width = n_head_kv * hd;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = kAttnThreads / 32;
+  for (int d = threadIdx.x; d < hd; d += blockDim.x)
+    qs[d] = round_to_cache(q[static_cast<int64_t>(t) * ld_q + static_cast<int64_t>(h) * hd + d], f16);
+  __syncthreads();
+  float mx = -INFINITY;
+  for (int j = warp; j < n_keys; j += n_warps) {
+    const int kp = lo + j;
+    const int slot = ring ? kp % cap : kp;
+    const int64_t base = static_cast<int64_t>(slot) * width + static_cast<int64_t>(g) * hd;
+    float acc = 0.0f;
+    for (int d = lane; d < hd; d += 32) acc += qs[d] * load_cache(kc, base + d, f16);
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    const float sc = acc * scale;
+    if (lane == 0) ps[j] = sc;
+    mx = fmaxf(mx, sc);
+  }
+  mx = block_max(mx, red_f);  // (its first barrier also publishes the scores)
+  double sum = 0;
+  for (int j = threadIdx.x; j < n_keys; j += blockDim.x) sum += static_cast<double>(expf(ps[j] - mx));
+  sum = block_sum_d(sum, red_d);
+  const float inv = static_cast<float>(1.0 / sum);
+  for (int j = threadIdx.x; j < n_keys; j += blockDim.x) ps[j] = round_to_cache(expf(ps[j] - mx) * inv, f16);
+  __syncthreads();
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    const int64_t vrow = (static_cast<int64_t>(g) * hd + d) * cap;
+    float a = 0.0f;
+    for (int j = 0; j < n_keys; ++j) {
+      const int kp = lo + j;
+      a += ps[j] * load_cache(vc, vrow + (ring ? kp % cap : kp), f16);
+    }
+    out[static_cast<int64_t>(t) * ld_out + static_cast<int64_t>(h) * hd + d] = a;
+  }
+}
+
 }  // namespace
 
 const float* gemma4_gelu_table() {
@@ -251,7 +312,7 @@ void gemma4_rope(float* x, int n_tokens, int n_heads, int head_dim, int64_t ld, 
   if (n_tokens <= 0) return;
   // (std::pow on the host, as the CPU op computes it.)
   const float theta_scale = std::pow(rope.base, -2.0f / static_cast<float>(n_rot));
-  rope_kernel<<<n_tokens, 128, sizeof(float) * n_rot, cs(s)>>>(x, n_heads, head_dim, ld, n_rot, pos, theta_scale,
+  rope_kernel<<<n_tokens, 128, sizeof(float) * (n_rot + n_rot / 2), cs(s)>>>(x, n_heads, head_dim, ld, n_rot, pos, theta_scale,
                                                               rope.freq_scale, rope.ext_factor, rope.corr_lo,
                                                               rope.corr_hi, rope.mscale(), freq_factors);
   g4_launched("gemma4_rope");
@@ -274,9 +335,19 @@ void gemma4_attention(const float* q, int64_t ld_q, const DevKv& kv, bool ring, 
   if (head_dim > 1024) throw Error("gemma4_attention: head_dim " + std::to_string(head_dim) + " over 1024");
   if (kv.type != DType::F16 && kv.type != DType::F32) throw Error("gemma4_attention: the cache must be f16 or f32");
   const dim3 grid(static_cast<unsigned>(n_tokens), static_cast<unsigned>(n_head));
-  const size_t smem = sizeof(float) * (static_cast<size_t>(head_dim) + kAttnThreads);
-  attention_kernel<<<grid, kAttnThreads, smem, cs(s)>>>(q, ld_q, kv.k, kv.v, kv.type == DType::F16, kv.n_ctx, ring,
-                                                        pos, n_head, n_head_kv, head_dim, scale, window, out, ld_out);
+  // The most keys a query can see: the window, or the cache's capacity (a bound that holds for every
+  // position, so a captured graph stays valid as the sequence grows).
+  const int64_t max_keys = window > 0 ? std::min(window, kv.n_ctx) : kv.n_ctx;
+  const size_t smem_all = sizeof(float) * (static_cast<size_t>(head_dim) + static_cast<size_t>(max_keys));
+  if (smem_all <= static_cast<size_t>(kSmemBytes)) {
+    attention_smem_kernel<<<grid, kAttnThreads, smem_all, cs(s)>>>(q, ld_q, kv.k, kv.v, kv.type == DType::F16, kv.n_ctx,
+                                                                   ring, pos, n_head, n_head_kv, head_dim, scale,
+                                                                   window, out, ld_out);
+  } else {
+    const size_t smem = sizeof(float) * (static_cast<size_t>(head_dim) + kAttnThreads);
+    attention_kernel<<<grid, kAttnThreads, smem, cs(s)>>>(q, ld_q, kv.k, kv.v, kv.type == DType::F16, kv.n_ctx, ring,
+                                                          pos, n_head, n_head_kv, head_dim, scale, window, out, ld_out);
+  }
   g4_launched("gemma4_attention");
 }
 

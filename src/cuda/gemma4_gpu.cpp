@@ -431,8 +431,11 @@ class Gemma4Gpu final : public GpuRunner, private gpu::LayerProgram {
     // The experts' input.
     gpu::rms_norm(ws.x, G.pre_ffw_norm_2, S.xe, E, nt, eps, E, E, stream);
     e_.prof.mark("router, top-k, expert input norm", stream);
-    // Device-resident experts, kMaxVecTokens tokens at a time: per slot gate and up rows, GeGLU, down.
-    if (X.n_dev > 0) {
+    // Prefill micro-batches: every device-resident expert of the layer in one grouped product per
+    // matrix (gpu::moe_matmul), as ExpertStreamer::run does for the other architectures.
+    if (X.n_dev > 0 && nt > gpu::kMaxVecTokens) grouped_experts(s, l, nt);
+    // Decode-sized micro-batches: per slot gate and up rows, GeGLU, down (mat-vec products).
+    if (X.n_dev > 0 && nt <= gpu::kMaxVecTokens) {
       for (int t0 = 0; t0 < nt; t0 += gpu::kMaxVecTokens) {
         const int n = std::min(gpu::kMaxVecTokens, nt - t0), n_slots = n * k;
         const int32_t* ids = S.ids + static_cast<int64_t>(t0) * k;
@@ -470,6 +473,59 @@ class Gemma4Gpu final : public GpuRunner, private gpu::LayerProgram {
       }
     }
     gpu::moe_combine(S.ey, S.wts, nt, k, E, S.y2, stream);
+  }
+
+  // The device-resident routed experts of layer l for a prefill micro-batch of nt tokens: the slots
+  // grouped by expert on the host (offsets, each grouped slot's token and router slot), then gate and
+  // up over the grouped rows into ws.g / ws.u, GeGLU, and down scattered back to router-slot order
+  // in S.ey. Inputs rounded as the reference's integer products see them (gpu::round_acts), in the
+  // dequantization scratch, which the grouped products do not use.
+  void grouped_experts(Step& s, int l, int nt) {
+    gpu::Workspace& ws = s.ws;
+    Gemma4GpuState& S = state(s);
+    void* const stream = e_.stream;
+    G4Experts& X = layers_[l].experts;
+    const int E = c_.n_embd, NE = c_.n_expert, k = c_.n_expert_used, n_slots = nt * k;
+    const int64_t nf = c_.n_ff_exp;
+    gpu::copy_d2h(S.h_ids, S.ids, sizeof(int32_t) * n_slots, stream);
+    gpu::sync_stream(stream);
+    int32_t* h_off = ws.h_idx;            // [NE + 1]
+    int32_t* h_rows = h_off + NE + 1;     // [n_slots]: the token of each grouped slot
+    int32_t* h_dst = h_rows + n_slots;    // [n_slots]: its router slot
+    std::fill(h_off, h_off + NE + 1, 0);
+    for (int j = 0; j < n_slots; ++j) {
+      const int32_t e = S.h_ids[j];
+      if (e < 0 || e >= NE) throw Error(gpu::no_expert_message(e));
+      ++h_off[e + 1];
+    }
+    for (int e = 0; e < NE; ++e) h_off[e + 1] += h_off[e];
+    std::vector<int32_t> fill(h_off, h_off + NE);
+    for (int j = 0; j < n_slots; ++j) {
+      const int i = fill[S.h_ids[j]]++;
+      h_rows[i] = j / k;
+      h_dst[i] = j;
+    }
+    gpu::copy_h2d(ws.offsets, h_off, sizeof(int32_t) * (NE + 1), stream);
+    gpu::copy_h2d(ws.idx_a, h_rows, sizeof(int32_t) * n_slots, stream);
+    gpu::copy_h2d(ws.idx_b, h_dst, sizeof(int32_t) * n_slots, stream);
+    auto rounded = [&](DType weight_type) -> const float* {
+      const DType act = dtype_info(weight_type).act_type;
+      if (!gpu::rounds_acts(act)) return S.xe;
+      if (static_cast<size_t>(nt) * E * sizeof(float) > ws.dequant_bytes)
+        throw Error("internal: the dequantization scratch cannot hold the experts' rounded input");
+      auto* xr = static_cast<float*>(ws.dequant);
+      gpu::round_acts(act, S.xe, E, nt, E, xr, E, stream);
+      return xr;
+    };
+    const float* xr = rounded(X.gate.type);
+    gpu::moe_matmul(X.gate, ws.offsets, NE, X.slot_of_dev, xr, E, ws.idx_a, n_slots, ws.g, nf, stream);
+    if (dtype_info(X.up.type).act_type != dtype_info(X.gate.type).act_type) xr = rounded(X.up.type);
+    gpu::moe_matmul(X.up, ws.offsets, NE, X.slot_of_dev, xr, E, ws.idx_a, n_slots, ws.u, nf, stream);
+    gpu::gemma4_geglu(ws.g, ws.u, ws.g, static_cast<int64_t>(n_slots) * nf, stream);
+    const DType down_act = dtype_info(X.down.type).act_type;
+    if (gpu::rounds_acts(down_act)) gpu::round_acts(down_act, ws.g, nf, n_slots, nf, ws.g, nf, stream);
+    gpu::moe_matmul(X.down, ws.offsets, NE, X.slot_of_dev, ws.g, nf, nullptr, n_slots, S.ey, E, stream, ws.idx_b);
+    // (The host tables are rewritten by the next layer only after its routing's sync.)
   }
 
   const Gemma4Weights& w_;
