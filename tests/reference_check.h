@@ -54,7 +54,7 @@ inline double margin(const float* x, int n) {
 // Evaluates the prompt in one batch and compares the stored rows; returns a summary string for logs.
 inline std::string check_logits(const Model& model, const std::vector<int32_t>& prompt, int row0,
                                 const std::vector<float>& ref, const Tolerance& tol, const std::string& label,
-                                DType kv = DType::F16) {
+                                const KvCacheType& kv = {}) {
   const int n_vocab = model.config().n_vocab;
   const int rows = static_cast<int>(ref.size() / n_vocab);
   EXPECT_EQ(static_cast<size_t>(rows) * n_vocab, ref.size()) << label;
@@ -62,7 +62,7 @@ inline std::string check_logits(const Model& model, const std::vector<int32_t>& 
   so.n_threads = 2;
   so.n_ctx = static_cast<int>(prompt.size()) + 8;
   so.n_batch = static_cast<int>(prompt.size());
-  so.kv_type = kv;
+  so.kv = kv;
   Session s(model, so);
   auto logits = s.eval(prompt, static_cast<int>(prompt.size()));
   std::vector<double> errs;

@@ -49,7 +49,7 @@ TEST_P(Gemma4Reference, LogitsAndGreedyMatch) {
     }
     if (ref.contains("logits_kv_f32")) {
       auto kv = test::read_f32(dir + "/" + ref["logits_kv_f32"].get<std::string>());
-      std::printf("  %s\n", test::check_logits(*model, prompt, row0, kv, tol, label + " kvf32", DType::F32).c_str());
+      std::printf("  %s\n", test::check_logits(*model, prompt, row0, kv, tol, label + " kvf32", KvCacheType{DType::F32, DType::F32}).c_str());
     }
     test::check_greedy(*model, test::read_json(dir + "/" + ref["greedy"].get<std::string>()), tol, label);
   }
@@ -96,7 +96,7 @@ TEST(Gemma4Window, DecodePastTheWindowOnAWrappingRing) {
   auto a = model->new_state(so);
   auto b = model->new_state(so);
   // The ring is smaller than the context: the sliding layers hold window + micro-batch positions.
-  EXPECT_EQ(a->bytes(), sequence_memory_bytes(model->config(), 1200, DType::F16, 0));
+  EXPECT_EQ(a->bytes(), sequence_memory_bytes(model->config(), 1200, KvCacheType{}, 0));
   std::vector<float> la(V), lb(static_cast<size_t>(N) * V);
   model->forward(*b, pool, toks, N, lb.data());
   double worst = 0;
@@ -135,7 +135,7 @@ TEST(Gemma4Layers, SpecsAndMemory) {
   // f16 KV at 8192 positions: two sliding layers of 2 x (64 + 64) x 2 bytes per position over
   // 32 + 512 positions, one global of (128 + 128) x 2 over all 8192.
   const uint64_t want = 2ull * 512 * (32 + kSlidingMicroBatch) + 512ull * 8192;
-  EXPECT_EQ(sequence_memory_bytes(model->config(), 8192, DType::F16, 4), want);
+  EXPECT_EQ(sequence_memory_bytes(model->config(), 8192, KvCacheType{}, 4), want);
   StateOptions so;
   so.n_ctx = 8192;
   EXPECT_EQ(model->new_state(so)->bytes(), want);
@@ -162,7 +162,7 @@ TEST(Gemma4Layers, SharedKvLayersReadTheLastOwnLayerOfTheirKind) {
   EXPECT_EQ(s[3].attn().kv_from, 1);
   EXPECT_EQ(s[4].attn().kv_from, 1);
   EXPECT_EQ(s[5].attn().kv_from, 2);
-  EXPECT_EQ(layer_memory(s[4], DType::F16).kv_bytes_per_pos, 0u);
+  EXPECT_EQ(layer_memory(s[4], KvCacheType{}).kv_bytes_per_pos, 0u);
   EXPECT_NE(gemma4_layer_pattern(c).find("shared KV: layers 3..5 read layers 1, 2"), std::string::npos)
       << gemma4_layer_pattern(c);
 }

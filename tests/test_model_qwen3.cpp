@@ -56,7 +56,7 @@ TEST(Qwen3Reference, F32KvCacheMatchesKvF32Reference) {
     auto prompt = manifest["prompts"][p]["ids"].get<std::vector<int32_t>>();
     auto logits = test::read_f32(dir + "/" + ref["logits_kv_f32"].get<std::string>());
     test::check_logits(*model, prompt, ref["logits_rows"][0].get<int>(), logits, {1e-4, -1, 0, 0.02, 0.05},
-                       std::string("kvf32 ") + p, DType::F32);
+                       std::string("kvf32 ") + p, KvCacheType{DType::F32, DType::F32});
   }
 }
 

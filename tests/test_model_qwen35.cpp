@@ -74,7 +74,7 @@ TEST(Qwen35Reference, F32KvCacheMatchesKvF32Reference) {
       auto prompt = manifest["prompts"][p]["ids"].get<std::vector<int32_t>>();
       auto logits = test::read_f32(dir + "/" + ref["logits_kv_f32"].get<std::string>());
       std::printf("  %s\n", test::check_logits(*model, prompt, ref["logits_rows"][0].get<int>(), logits,
-                                              {1e-4, -1, 0, 0.02, 0.05}, std::string(folder) + " kvf32 " + p, DType::F32)
+                                              {1e-4, -1, 0, 0.02, 0.05}, std::string(folder) + " kvf32 " + p, KvCacheType{DType::F32, DType::F32})
                                 .c_str());
     }
   }
@@ -183,7 +183,7 @@ TEST(Qwen35State, TruncateRestoresFromCheckpointAndReevaluates) {
   EXPECT_LE(test::rel_l2(got.data(), want.data(), V), 1e-6);
 
   // At the state level: the rewind lands at the nearest checkpoint, never above what was asked.
-  auto st = model->new_state({128, DType::F16, 4});
+  auto st = model->new_state({128, KvCacheType{}, 4});
   ThreadPool pool(2);
   EXPECT_TRUE(st->recurrent());
   model->forward(*st, pool, a, 0, nullptr);
@@ -416,8 +416,8 @@ TEST(Qwen35State, SequenceMemoryFromLayerSpecs) {
   // One attention layer in the trunk (1 KV head x (64 + 64) x f16) and the MTP block's; one DeltaNet
   // of conv 3 x 512 and 4 heads of 64 x 64 floats.
   const uint64_t kv = 1 * (64 + 64) * 2, rec = (3 * 512 + 4 * 64 * 64) * 4;
-  EXPECT_EQ(sequence_memory_bytes(c, 100, DType::F16, 0, false), kv * 100 + rec);
-  EXPECT_EQ(sequence_memory_bytes(c, 100, DType::F16, 2, true), 2 * kv * 100 + 3 * rec);
+  EXPECT_EQ(sequence_memory_bytes(c, 100, KvCacheType{}, 0, false), kv * 100 + rec);
+  EXPECT_EQ(sequence_memory_bytes(c, 100, KvCacheType{}, 2, true), 2 * kv * 100 + 3 * rec);
   StateOptions so;
   so.n_ctx = 100;
   auto st = model->new_state(so);
@@ -435,13 +435,13 @@ TEST(Qwen35State, SequenceMemoryFromLayerSpecs) {
   big.ssm_conv_kernel = 4;
   big.recurrent_layers.assign(41, false);
   for (int l = 0; l < 40; ++l) big.recurrent_layers[l] = (l + 1) % 4 != 0;
-  const double state_mib = static_cast<double>(sequence_memory_bytes(big, 0, DType::F16, 0, false)) / (1 << 20);
+  const double state_mib = static_cast<double>(sequence_memory_bytes(big, 0, KvCacheType{}, 0, false)) / (1 << 20);
   EXPECT_NEAR(state_mib, 62.8, 0.1);
-  EXPECT_EQ(sequence_memory_bytes(big, 1, DType::F16, 0, false) - sequence_memory_bytes(big, 0, DType::F16, 0, false),
+  EXPECT_EQ(sequence_memory_bytes(big, 1, KvCacheType{}, 0, false) - sequence_memory_bytes(big, 0, KvCacheType{}, 0, false),
             10u * 2 * (256 + 256) * 2);  // KV per position: 10 attention layers of 2 KV heads
   // qwen3moe: every layer attention, as plan's kv_cache_bytes counts it.
   auto q3 = Model::load(test::testdata("qwen3moe-tiny") + "/qwen3moe-tiny-f32.gguf", lo);
-  EXPECT_EQ(sequence_memory_bytes(q3->config(), 64, DType::F16, 4), kv_cache_bytes(q3->config(), 64, DType::F16));
+  EXPECT_EQ(sequence_memory_bytes(q3->config(), 64, KvCacheType{}, 4), kv_cache_bytes(q3->config(), 64, KvCacheType{}));
 }
 
 }  // namespace

@@ -268,7 +268,6 @@ void register_bench(CLI::App& app) {
                   "generation lengths to test: tgN times N decode steps of one token each, so N generated tokens (0: none)")
       ->delimiter(',');
   cmd->add_option("-r,--repetitions", a->reps, "repetitions per test (after one warm-up run)");
-  cmd->add_option("--kv-type", a->model.kv_type, "KV cache type: f16 or f32")->check(CLI::IsMember({"f16", "f32"}));
   a->batch_opt = cmd->add_option("-b,--batch", a->batch,
                                  "GPU micro-batch (prompt tokens per forward pass; default: automatic)");
   a->output_opt = cmd->add_option("-o,--output", a->output, "output format: md (default), json, jsonl or csv");
@@ -420,8 +419,9 @@ void register_bench(CLI::App& app) {
         o["n_batch"] = n_batch;
         o["n_ubatch"] = model->on_gpu() ? plan.options.n_ubatch : n_batch;  // the CPU runs a ppN as one pass
         o["n_threads"] = r.n_threads;
-        o["type_k"] = a->model.kv_type;
-        o["type_v"] = a->model.kv_type;
+        o["type_k"] = a->model.cache_type_k;
+        o["type_v"] = a->model.cache_type_v;
+        o["flash_attn"] = kv_cache_type(a->model).flash_on();
         // Every layer (and the output head) runs on the GPU when there is one; the plan decides
         // where the experts live, which n_cpu_moe and the plan line say.
         o["n_gpu_layers"] = model->on_gpu() ? cfg.n_layer + 1 : 0;

@@ -118,12 +118,27 @@ void add_model_options(CLI::App& app, ModelOptions& o, bool with_ctx) {
   app.add_option("--n-gpu-layers,--gpu-layers", o.n_gpu_layers,
                  "llama.cpp's -ngl: 0 runs on the CPU (as --gpu none); otherwise placement is automatic within --vram")
       ->check(at_least(-1));
-  app.add_option("--flash-attn", o.flash_attn, "llama.cpp's -fa: accepted; fitmoe picks its attention kernels itself")
+  // KV cache (runtime/kv_cache.h). main() turns -ctk / -ctv / -fa into these long names.
+  auto kv_type_check = CLI::Validator(
+      [](std::string& s) {
+        DType t;
+        return kv_type_from_name(s, &t) ? std::string() : "'" + s + "' is not a KV cache type (" + kv_type_names() + ")";
+      },
+      "TYPE");
+  app.add_option("--cache-type-k", o.cache_type_k, std::string("K cache type (-ctk): ") + kv_type_names())
+      ->check(kv_type_check)
+      ->capture_default_str();
+  app.add_option("--cache-type-v", o.cache_type_v, std::string("V cache type (-ctv): ") + kv_type_names())
+      ->check(kv_type_check)
+      ->capture_default_str();
+  app.add_option("--flash-attn", o.flash_attn,
+                 "flash attention (-fa): on, off, or auto (on where the cache types need it: q8_0, q4_0, or K and V "
+                 "of different types)")
       ->expected(0, 1)
-      ->check(CLI::IsMember({"on", "off", "auto", "1", "0", "true", "false"}));
+      ->default_str("auto")
+      ->check(CLI::IsMember({"on", "off", "auto", "1", "0", "true", "false", ""}));
   if (with_ctx) {
     app.add_option("-c,--ctx,--ctx-size", o.ctx, "context size in tokens")->check(between(1, 1 << 30));
-    app.add_option("--kv-type", o.kv_type, "KV cache type: f16 (default) or f32")->check(CLI::IsMember({"f16", "f32"}));
     app.add_option("-b,--batch,--ubatch-size", o.batch,
                    "prompt tokens per forward batch / GPU micro-batch (llama.cpp's -b and -ub; 0: automatic)")
         ->check(at_least(0));
@@ -132,11 +147,20 @@ void add_model_options(CLI::App& app, ModelOptions& o, bool with_ctx) {
   }
 }
 
+KvCacheType kv_cache_type(const ModelOptions& o) {
+  KvCacheType t;
+  if (!kv_type_from_name(o.cache_type_k, &t.k)) throw Error("-ctk: '" + o.cache_type_k + "' is not a KV cache type");
+  if (!kv_type_from_name(o.cache_type_v, &t.v)) throw Error("-ctv: '" + o.cache_type_v + "' is not a KV cache type");
+  // A bare -fa (the reference's older flag form) means on.
+  t.flash = flash_attn_from_name(o.flash_attn.empty() ? "on" : o.flash_attn);
+  return t;
+}
+
 SessionOptions session_options(const ModelOptions& o) {
   SessionOptions s;
   s.n_threads = o.threads;
   s.n_ctx = o.ctx;
-  s.kv_type = o.kv_type == "f32" ? DType::F32 : DType::F16;
+  s.kv = kv_cache_type(o);
   s.n_batch = o.batch;
   return s;
 }
@@ -147,7 +171,7 @@ LoadOptions load_options(const ModelOptions& o) {
   lo.plan.use_gpu = o.gpu != "none" && o.n_gpu_layers != 0;
   lo.plan.vram_budget = o.vram.empty() ? 0 : parse_size(o.vram);
   lo.plan.n_ctx = o.ctx;
-  lo.plan.kv_type = o.kv_type == "f32" ? DType::F32 : DType::F16;
+  lo.plan.kv = kv_cache_type(o);
   lo.plan.n_ubatch = o.batch;
   lo.plan.n_cpu_moe = o.n_cpu_moe;
   lo.plan.cpu_moe = o.cpu_moe;
@@ -165,8 +189,6 @@ std::unique_ptr<Model> load_model(const ModelOptions& o, const std::function<voi
   if (o.n_gpu_layers > 0)
     std::fprintf(stderr, "note: -ngl %d: fitmoe places every tensor itself within --vram (fitmoe plan shows where)\n",
                  o.n_gpu_layers);
-  if (!o.flash_attn.empty())
-    std::fprintf(stderr, "note: -fa: fitmoe picks its attention kernels itself (the flag changes nothing)\n");
   lo.before_weights = [&](const Model& m) {
     const ModelConfig& c = m.config();
     // Asked for more context than the model was trained on: allowed (rope scaling may extend it), but said.

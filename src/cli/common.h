@@ -19,7 +19,8 @@ struct ModelOptions {
   std::string model_path;
   int threads = 0;
   int ctx = 4096;
-  std::string kv_type = "f16";
+  std::string cache_type_k = "f16", cache_type_v = "f16";  // -ctk / -ctv
+  std::string flash_attn = "auto";                          // -fa on|off|auto
   int batch = 0;  // 0: automatic (512; 2048 on the GPU when prefill streams host experts)
   bool mmap = false;
   // Placement (see runtime/plan.h).
@@ -31,11 +32,12 @@ struct ModelOptions {
   std::string prefill_experts = "auto";
   double gpu_share = -1;  // --host-experts-gpu-share (-1: automatic)
   bool no_decode_graphs = false, no_routing_guess = false;
-  // llama.cpp's flags, accepted so that its users' habits work: -ngl 0 means --gpu none; any other
-  // -ngl, and -fa, only get a note that fitmoe places tensors and picks attention kernels itself.
+  // llama.cpp's -ngl, accepted so that its users' habits work: 0 means --gpu none; any other value
+  // only gets a note that fitmoe places tensors itself.
   int n_gpu_layers = -1;
-  std::string flash_attn;
 };
+// -ctk / -ctv / -fa as a cache type (the names are checked when parsed).
+KvCacheType kv_cache_type(const ModelOptions& o);
 void add_model_options(CLI::App& app, ModelOptions& o, bool with_ctx = true);
 SessionOptions session_options(const ModelOptions& o);
 LoadOptions load_options(const ModelOptions& o);

@@ -54,6 +54,8 @@ int main(int argc, char** argv) {
     if (a == "-ngl") a = "--n-gpu-layers";
     else if (a == "-fa") a = "--flash-attn";
     else if (a == "-ub") a = "--ubatch-size";
+    else if (a == "-ctk") a = "--cache-type-k";
+    else if (a == "-ctv") a = "--cache-type-v";
   }
   std::vector<char*> argp;
   for (auto& a : args) argp.push_back(a.data());

@@ -63,9 +63,7 @@ class Gemma4GpuState final : public gpu::GpuState {
  public:
   Gemma4GpuState(gpu::Engine& e, const StateOptions& opt, const gpu::WorkspaceShape& shape,
                  const std::vector<LayerSpec>& specs, const std::vector<LayerSpec>& no_kv)
-      : GpuState(e, opt, shape, &no_kv), e_(e), type_(opt.kv_type) {
-    if (type_ != DType::F16 && type_ != DType::F32)
-      throw Error(std::string("KV cache type ") + dtype_name(type_) + " is not supported (use f16 or f32)");
+      : GpuState(e, opt, shape, &no_kv), e_(e), type_(gpu::gpu_kv_type(opt.kv)) {
     const size_t es = type_ == DType::F16 ? 2 : 4;
     const int L = static_cast<int>(specs.size());
     kv_.assign(L, gpu::DevKv{type_, nullptr, nullptr, 0});

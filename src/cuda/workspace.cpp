@@ -8,6 +8,13 @@
 
 namespace fitmoe::gpu {
 
+DType gpu_kv_type(const KvCacheType& t) {
+  if (t.k != t.v || (t.k != DType::F16 && t.k != DType::F32))
+    throw Error("KV cache " + t.name() + ": the GPU engine stores f16 or f32 caches only so far (K and V alike); run "
+                "with --gpu none for " + kv_type_names());
+  return t.k;
+}
+
 KvCache::KvCache(DeviceMemory& mem, const ModelConfig& c, int n_ctx, DType kv_type, const std::vector<LayerSpec>* specs)
     : type(kv_type), mem_(mem) {
   if (type != DType::F16 && type != DType::F32)
@@ -76,7 +83,7 @@ void DecodeGraphs::clear() {
 }
 
 GpuState::GpuState(Engine& e, const StateOptions& opt, const WorkspaceShape& shape, const std::vector<LayerSpec>* specs)
-    : kv(e.mem, e.c, opt.n_ctx, opt.kv_type, specs), ws(&e.mem) {
+    : kv(e.mem, e.c, opt.n_ctx, gpu_kv_type(opt.kv), specs), ws(&e.mem) {
   n_ctx_ = opt.n_ctx;
   WorkspaceShape s = shape;
   s.n_ctx = opt.n_ctx;

@@ -17,6 +17,11 @@
 
 namespace fitmoe::gpu {
 
+// The element type the GPU engine stores for a cache type: f16 or f32, K and V alike (its attention
+// kernels read those; the GPU's attention is the same for -fa on and off). Anything else is an error
+// naming the type, never a silent substitute.
+DType gpu_kv_type(const KvCacheType& t);
+
 struct KvCache {
   // One K and V per layer of c (c.n_layer); with specs, only for its attention layers (sized from
   // their AttnSpec; the others get an empty DevKv).

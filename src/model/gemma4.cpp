@@ -87,41 +87,14 @@ namespace {
 // micro-batch on sliding layers), none for shared-KV layers, which read their source's.
 class Gemma4State final : public ModelState {
  public:
-  Gemma4State(const std::vector<LayerSpec>& specs, const StateOptions& opt) : kv_type_(opt.kv_type) {
-    if (kv_type_ != DType::F16 && kv_type_ != DType::F32)
-      throw Error(std::string("KV cache type ") + dtype_name(kv_type_) + " is not supported on the CPU (use f16 or f32)");
+  Gemma4State(const std::vector<LayerSpec>& specs, const StateOptions& opt) : cache_(specs, opt.n_ctx, opt.kv) {
     n_ctx_ = opt.n_ctx;
-    const size_t es = kv_type_ == DType::F16 ? 2 : 4;
-    const size_t L = specs.size();
-    k_row_.assign(L, 0);
-    cap_.assign(L, 0);
-    ring_.assign(L, false);
-    src_.assign(L, 0);
-    k_.resize(L);
-    v_.resize(L);
-    for (size_t l = 0; l < L; ++l) {
-      const AttnSpec& a = specs[l].attn();
-      src_[l] = a.kv_from >= 0 ? a.kv_from : static_cast<int>(l);
-      if (a.kv_from >= 0) continue;
-      cap_[l] = static_cast<int>(a.kv_positions(n_ctx_));
-      ring_[l] = a.window > 0;
-      if (ring_[l] && cap_[l] < n_ctx_) window_ = std::max(window_, a.window);
-      k_row_[l] = static_cast<int64_t>(a.n_head_kv) * a.head_dim * es;
-      k_[l].assign(static_cast<size_t>(k_row_[l]) * cap_[l], 0);
-      v_[l].assign(static_cast<size_t>(a.n_head_kv) * a.head_dim_v * es * cap_[l], 0);
-    }
+    window_ = cache_.wrapping_window();
   }
 
-  size_t bytes() const override {
-    size_t b = 0;
-    for (size_t l = 0; l < k_.size(); ++l) b += k_[l].size() + v_[l].size();
-    return b;
-  }
+  size_t bytes() const override { return cache_.bytes(); }
   // Layer l's cache: its own, or the one it shares.
-  cpu::KvView view(int l) {
-    const int s = src_[l];
-    return {kv_type_, k_[s].data(), v_[s].data(), cap_[s], k_row_[s], ring_[s]};
-  }
+  cpu::KvView view(int l) { return cache_.view(l); }
 
   // A ring that has wrapped lost the positions it overwrote: a rewind is exact while every position
   // the next queries' windows reach is still held, else the state starts again from 0 (the caller
@@ -137,12 +110,8 @@ class Gemma4State final : public ModelState {
   cpu::Scratch scratch;
 
  private:
-  DType kv_type_;
+  cpu::KvCache cache_;
   int window_ = 0;  // the largest window among rings smaller than the context (0: none wraps)
-  std::vector<int64_t> k_row_;
-  std::vector<int> cap_, src_;
-  std::vector<bool> ring_;
-  std::vector<std::vector<uint8_t>> k_, v_;
 };
 
 class Gemma4Model final : public Model {

@@ -31,10 +31,10 @@ std::vector<LayerSpec> layer_specs(const ModelConfig& c, bool with_mtp) {
   return std::vector<LayerSpec>(static_cast<size_t>(c.n_layer), l);
 }
 
-uint64_t sequence_memory_bytes(const ModelConfig& c, int64_t n_ctx, DType kv_type, int n_checkpoints, bool with_mtp) {
+uint64_t sequence_memory_bytes(const ModelConfig& c, int64_t n_ctx, const KvCacheType& kv, int n_checkpoints, bool with_mtp) {
   uint64_t b = 0;
   for (const LayerSpec& l : layer_specs(c, with_mtp)) {
-    const LayerMemory m = layer_memory(l, kv_type);
+    const LayerMemory m = layer_memory(l, kv);
     b += m.kv_bytes(n_ctx) + m.state_bytes * static_cast<uint64_t>(1 + n_checkpoints);
   }
   return b;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "quant/dtype.h"
+#include "runtime/kv_cache.h"
 
 namespace fitmoe {
 
@@ -96,12 +97,14 @@ struct LayerMemory {
     return kv_bytes_per_pos * static_cast<uint64_t>(pos);
   }
 };
-inline LayerMemory layer_memory(const LayerSpec& l, DType kv_type) {
+inline LayerMemory layer_memory(const LayerSpec& l, const KvCacheType& kv) {
   LayerMemory m;
   if (l.is_attention()) {
     const AttnSpec& a = l.attn();
-    const uint64_t es = kv_type == DType::F16 ? 2 : 4;
-    if (a.kv_from < 0) m.kv_bytes_per_pos = static_cast<uint64_t>(a.n_head_kv) * (a.head_dim + a.head_dim_v) * es;
+    // (Without flash attention V takes K's type: KvCache stores both as kv.k then.)
+    const DType vt = kv.flash_on() ? kv.v : kv.k;
+    if (a.kv_from < 0)
+      m.kv_bytes_per_pos = static_cast<uint64_t>(a.n_head_kv) * (kv_row_bytes(kv.k, a.head_dim) + kv_row_bytes(vt, a.head_dim_v));
     m.kv_max_positions = a.window > 0 ? static_cast<int64_t>(a.window) + kSlidingMicroBatch : 0;
   } else {
     const DeltaSpec& d = l.delta();
@@ -118,6 +121,7 @@ struct ModelConfig;
 std::vector<LayerSpec> layer_specs(const ModelConfig& c, bool with_mtp = true);
 // Per-sequence bytes for n_ctx positions: KV caches of the attention layers plus the recurrent states,
 // each of which is kept 1 + n_checkpoints times (the live one and its checkpoints).
-uint64_t sequence_memory_bytes(const ModelConfig& c, int64_t n_ctx, DType kv_type, int n_checkpoints, bool with_mtp = true);
+uint64_t sequence_memory_bytes(const ModelConfig& c, int64_t n_ctx, const KvCacheType& kv, int n_checkpoints,
+                               bool with_mtp = true);
 
 }  // namespace fitmoe

@@ -96,7 +96,7 @@ class ModelState {
 
 struct StateOptions {
   int n_ctx = 4096;
-  DType kv_type = DType::F16;  // F16 (default, as the reference) or F32
+  KvCacheType kv;  // f16 by default, as the reference (runtime/kv_cache.h)
   int max_checkpoints = kStateCheckpoints;  // recurrent states: the newest this many checkpoints are kept (4)
 };
 

@@ -19,27 +19,13 @@ namespace {
 
 class Qwen3State final : public ModelState {
  public:
-  Qwen3State(const ModelConfig& c, const StateOptions& opt) : kv_type(opt.kv_type) {
-    if (kv_type != DType::F16 && kv_type != DType::F32)
-      throw Error(std::string("KV cache type ") + dtype_name(kv_type) + " is not supported on the CPU (use f16 or f32)");
+  Qwen3State(const ModelConfig& c, const StateOptions& opt) : cache(layer_specs(c), opt.n_ctx, opt.kv) {
     n_ctx_ = opt.n_ctx;
-    const size_t es = kv_type == DType::F16 ? 2 : 4;
-    // V is stored transposed (see cpu::KvView); per position it still takes v_row bytes.
-    k_row = static_cast<int64_t>(c.n_head_kv) * c.head_dim * es;
-    v_row = static_cast<int64_t>(c.n_head_kv) * c.head_dim_v * es;
-    k.resize(c.n_layer);
-    v.resize(c.n_layer);
-    for (int l = 0; l < c.n_layer; ++l) {
-      k[l].assign(static_cast<size_t>(k_row) * n_ctx_, 0);
-      v[l].assign(static_cast<size_t>(v_row) * n_ctx_, 0);
-    }
   }
-  size_t bytes() const override { return (k_row + v_row) * static_cast<size_t>(n_ctx_) * k.size(); }
-  cpu::KvView view(int l) { return {kv_type, k[l].data(), v[l].data(), n_ctx_, k_row}; }
+  size_t bytes() const override { return cache.bytes(); }
+  cpu::KvView view(int l) { return cache.view(l); }
 
-  DType kv_type;
-  int64_t k_row = 0, v_row = 0;
-  std::vector<std::vector<uint8_t>> k, v;
+  cpu::KvCache cache;
   cpu::Scratch scratch;
 };
 

@@ -80,26 +80,14 @@ namespace {
 class Qwen35State final : public ModelState {
  public:
   Qwen35State(const std::vector<LayerSpec>& specs, const StateOptions& opt, bool mtp)
-      : mtp(mtp), kv_type_(opt.kv_type), max_cps_(std::max(0, opt.max_checkpoints)) {
-    if (kv_type_ != DType::F16 && kv_type_ != DType::F32)
-      throw Error(std::string("KV cache type ") + dtype_name(kv_type_) + " is not supported on the CPU (use f16 or f32)");
+      : mtp(mtp), cache_(specs, opt.n_ctx, opt.kv), max_cps_(std::max(0, opt.max_checkpoints)) {
     n_ctx_ = opt.n_ctx;
-    const size_t es = kv_type_ == DType::F16 ? 2 : 4;
     const size_t L = specs.size();
-    k_row_.assign(L, 0);
-    k_.resize(L);
-    v_.resize(L);
     conv_off_.assign(L, -1);
     delta_off_.assign(L, -1);
     int64_t rec = 0;
     for (size_t l = 0; l < L; ++l) {
-      if (specs[l].is_attention()) {
-        const AttnSpec& a = specs[l].attn();
-        // V is stored transposed (see cpu::KvView); per position it still takes its row's bytes.
-        k_row_[l] = static_cast<int64_t>(a.n_head_kv) * a.head_dim * es;
-        k_[l].assign(static_cast<size_t>(k_row_[l]) * n_ctx_, 0);
-        v_[l].assign(static_cast<size_t>(a.n_head_kv) * a.head_dim_v * es * n_ctx_, 0);
-      } else {
+      if (!specs[l].is_attention()) {
         const DeltaSpec& d = specs[l].delta();
         conv_off_[l] = rec;
         rec += d.conv_state_floats();
@@ -111,12 +99,11 @@ class Qwen35State final : public ModelState {
   }
 
   size_t bytes() const override {
-    size_t b = rec_.size() * sizeof(float);
-    for (size_t l = 0; l < k_.size(); ++l) b += k_[l].size() + v_[l].size();
+    size_t b = rec_.size() * sizeof(float) + cache_.bytes();
     for (const Checkpoint& c : cps_) b += c.rec.size() * sizeof(float);
     return b;
   }
-  cpu::KvView view(int l) { return {kv_type_, k_[l].data(), v_[l].data(), n_ctx_, k_row_[l]}; }
+  cpu::KvView view(int l) { return cache_.view(l); }
   float* conv(int l) { return rec_.data() + conv_off_[l]; }
   float* delta(int l) { return rec_.data() + delta_off_[l]; }
 
@@ -161,10 +148,8 @@ class Qwen35State final : public ModelState {
     int pos;
     std::vector<float> rec;
   };
-  DType kv_type_;
+  cpu::KvCache cache_;                           // the attention layers' KV
   int max_cps_;
-  std::vector<int64_t> k_row_;
-  std::vector<std::vector<uint8_t>> k_, v_;      // per layer; empty for DeltaNet layers
   std::vector<int64_t> conv_off_, delta_off_;    // per layer into rec_; -1 for attention layers
   std::vector<float> rec_;
   std::vector<Checkpoint> cps_;

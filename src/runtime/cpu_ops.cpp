@@ -8,6 +8,7 @@
 #include "quant/kernels.h"
 #include "runtime/cpu_gemma4.h"
 #include "runtime/error.h"
+#include "runtime/kv_cache.h"
 
 namespace fitmoe::cpu {
 
@@ -174,34 +175,12 @@ void rope_neox(float* x, int n_tokens, int n_heads, int head_dim, int64_t ld, in
 
 namespace {
 
-size_t elem_bytes(DType t) { return t == DType::F16 ? 2 : 4; }
+size_t elem_bytes(DType t) { return t == DType::F32 ? 4 : 2; }
 
-void store_value(DType t, float v, uint8_t* dst) {
-  if (t == DType::F16) {
-    uint16_t h = f32_to_f16(v);
-    std::memcpy(dst, &h, 2);
-  } else {
-    std::memcpy(dst, &v, 4);
-  }
-}
-
-}  // namespace
-
-void kv_store(const KvView& kv, int pos0, int n_tokens, const float* k, int64_t ld_k, const float* v,
-              int64_t ld_v, int k_width, int v_width) {
-  const size_t es = elem_bytes(kv.type);
-  for (int t = 0; t < n_tokens; ++t) {
-    const int s = kv.slot(pos0 + t);
-    uint8_t* krow = kv.k + s * kv.k_row_bytes;
-    for (int i = 0; i < k_width; ++i) store_value(kv.type, k[t * ld_k + i], krow + i * es);
-    for (int i = 0; i < v_width; ++i)
-      store_value(kv.type, v[t * ld_v + i], kv.v + (static_cast<size_t>(i) * kv.n_ctx + s) * es);
-  }
-}
-
-void attention(ThreadPool& pool, const float* q, int64_t ld_q, const KvView& kv, int pos0, int n_tokens,
-               int n_head, int n_head_kv, int head_dim, int head_dim_v, float scale, float* out,
-               int64_t ld_out, Scratch& scratch, size_t slot, int window) {
+// The non-flash path (f16 / f32 / bf16 caches, V transposed): see attention() in cpu_ops.h.
+void attention_plain(ThreadPool& pool, const float* q, int64_t ld_q, const KvView& kv, int pos0, int n_tokens,
+                     int n_head, int n_head_kv, int head_dim, int head_dim_v, float scale, float* out,
+                     int64_t ld_out, Scratch& scratch, size_t slot, int window) {
   const int group = n_head / n_head_kv;
   const size_t es = elem_bytes(kv.type);
   const auto& kern = quant::kernels_for(kv.type);
@@ -284,6 +263,238 @@ void attention(ThreadPool& pool, const float* q, int64_t ld_q, const KvView& kv,
                     oc + static_cast<size_t>(c) * head_dim_v, sizeof(float) * head_dim_v);
     }
   });
+}
+
+// Flash attention (KvView::flash): see cpu_ops.h. Work items are (kv head, block of tokens) as in the
+// plain path; each item walks its keys in chunks of kKeyChunk positions: the chunk's scores for all of
+// the item's query columns in one tile product, its V rows decoded once (f32 accumulation), then per
+// column the online softmax over the chunk's keys in position order.
+constexpr int kKeyChunk = 256;
+
+void attention_flash(ThreadPool& pool, const float* q, int64_t ld_q, const KvView& kv, int pos0, int n_tokens,
+                     int n_head, int n_head_kv, int head_dim, int head_dim_v, float scale, float* out,
+                     int64_t ld_out, Scratch& scratch, size_t slot, int window) {
+  const int group = n_head / n_head_kv;
+  // The reference's tiled kernel (f16 K and V, a batch of at least 64 queries) computes in f32.
+  const bool tiled = kv.type == DType::F16 && kv.v_type == DType::F16 && n_tokens >= 64;
+  const DType k_dot = tiled ? DType::F32 : kv.type;  // the type the scores' product reads K as
+  const auto& kern = quant::kernels_for(k_dot);
+  const DType q_type = kern.act_type;
+  auto to_q = quant::quantize_act_fn(q_type);
+  const bool f16_acc = !tiled && kv.v_type == DType::F16;  // V accumulated in f16, rounded at every key
+  const size_t k_head_bytes = row_bytes(kv.type, head_dim), v_head_bytes = row_bytes(kv.v_type, head_dim_v);
+  const size_t q_bytes = row_bytes(q_type, head_dim);
+  const int want_items = pool.size() * 2;
+  int tok_block = std::max(1, (n_tokens * n_head_kv + want_items - 1) / want_items);
+  tok_block = std::min(tok_block, 64);
+  const int n_tb = (n_tokens + tok_block - 1) / tok_block;
+  const int max_cols = tok_block * group;
+  if (kv.ring && window > 0 && std::min(pos0 + n_tokens, window - 1 + n_tokens) > kv.n_ctx)
+    throw Error("attention: a ring cache of " + std::to_string(kv.n_ctx) + " positions cannot hold a window of " +
+                std::to_string(window) + " for " + std::to_string(n_tokens) + " queries");
+  // Per thread: Q in its dot format, the chunk's scores, K (tiled: f32) and V of the chunk in f32,
+  // and per column the softmax state and accumulator.
+  const size_t per_thread = static_cast<size_t>(max_cols) * q_bytes + 64 +
+                            static_cast<size_t>(max_cols) * kKeyChunk * sizeof(float) +
+                            static_cast<size_t>(kKeyChunk) * (tiled ? head_dim : 0) * sizeof(float) +
+                            static_cast<size_t>(kKeyChunk) * head_dim_v * sizeof(float) +
+                            static_cast<size_t>(max_cols) * (2 + head_dim_v) * sizeof(float) +
+                            static_cast<size_t>(max_cols) * head_dim_v * sizeof(uint16_t) + 64;
+  uint8_t* base = scratch.bytes(slot, per_thread * pool.size());
+
+  pool.parallel_for(static_cast<int64_t>(n_head_kv) * n_tb, 1, [&](int64_t b, int64_t e, int tid) {
+    uint8_t* qc = base + per_thread * tid;
+    float* sc = reinterpret_cast<float*>(qc + ((static_cast<size_t>(max_cols) * q_bytes + 63) & ~size_t{63}));
+    float* k32 = sc + static_cast<size_t>(max_cols) * kKeyChunk;
+    float* v32 = k32 + static_cast<size_t>(kKeyChunk) * (tiled ? head_dim : 0);
+    float* m_run = v32 + static_cast<size_t>(kKeyChunk) * head_dim_v;  // [cols] running maximum
+    float* s_run = m_run + max_cols;                                     // [cols] running sum
+    float* acc = s_run + max_cols;                                       // [cols][head_dim_v] f32 accumulators
+    uint16_t* acc16 = reinterpret_cast<uint16_t*>(acc + static_cast<size_t>(max_cols) * head_dim_v);
+    for (int64_t item = b; item < e; ++item) {
+      const int g = static_cast<int>(item / n_tb);
+      const int t0 = static_cast<int>(item % n_tb) * tok_block;
+      const int nt = std::min(tok_block, n_tokens - t0);
+      const int cols = nt * group;
+      const int hi = pos0 + t0 + nt;
+      const int lo = window > 0 ? std::max(0, pos0 + t0 - window + 1) : 0;
+      for (int c = 0; c < cols; ++c) {
+        const float* qh = q + (t0 + c / group) * ld_q + static_cast<int64_t>(g * group + c % group) * head_dim;
+        to_q(qh, qc + static_cast<size_t>(c) * q_bytes, head_dim);
+        m_run[c] = -INFINITY;
+        s_run[c] = 0.0f;
+      }
+      std::fill(acc, acc + static_cast<size_t>(cols) * head_dim_v, 0.0f);
+      std::fill(acc16, acc16 + static_cast<size_t>(cols) * head_dim_v, uint16_t{0});
+      const uint8_t* kg = kv.k + static_cast<size_t>(g) * k_head_bytes;
+      const uint8_t* vg = kv.v + static_cast<size_t>(g) * v_head_bytes;
+      for (int p0 = lo; p0 < hi; p0 += kKeyChunk) {
+        const int nk = std::min(kKeyChunk, hi - p0);
+        // The chunk's scores [c][j], one run of slots or two where a ring wraps.
+        for (int j0 = 0; j0 < nk;) {
+          const int s0 = kv.slot(p0 + j0);
+          const int run = std::min(nk - j0, kv.n_ctx - s0);
+          if (tiled) {
+            for (int j = 0; j < run; ++j)
+              kv_dequantize_row(kv.type, kg + static_cast<size_t>(s0 + j) * kv.k_row_bytes, k32 + static_cast<size_t>(j) * head_dim,
+                                head_dim);
+            kern.matmul_tile(head_dim, k32, head_dim * sizeof(float), run, qc, q_bytes, cols, sc + j0, kKeyChunk);
+          } else {
+            kern.matmul_tile(head_dim, kg + static_cast<size_t>(s0) * kv.k_row_bytes, kv.k_row_bytes, run, qc, q_bytes,
+                             cols, sc + j0, kKeyChunk);
+          }
+          j0 += run;
+        }
+        if (!f16_acc)
+          for (int j = 0; j < nk; ++j)
+            kv_dequantize_row(kv.v_type, vg + static_cast<size_t>(kv.slot(p0 + j)) * kv.v_row_bytes,
+                              v32 + static_cast<size_t>(j) * head_dim_v, head_dim_v);
+        for (int c = 0; c < cols; ++c) {
+          const int p = pos0 + t0 + c / group;  // the query's position: keys p - window + 1 .. p
+          const int first = window > 0 ? std::max(p0, p - window + 1) : p0;
+          const int last = std::min(p0 + nk, p + 1);
+          const float* srow = sc + static_cast<size_t>(c) * kKeyChunk;
+          float M = m_run[c], S = s_run[c];
+          float* a32 = acc + static_cast<size_t>(c) * head_dim_v;
+          uint16_t* a16 = acc16 + static_cast<size_t>(c) * head_dim_v;
+          for (int kp = first; kp < last; ++kp) {
+            const float s = srow[kp - p0] * scale;
+            float ms = 1.0f, vs = 1.0f;
+            if (s > M) {
+              const float m_old = M;
+              M = s;
+              ms = std::exp(m_old - M);
+              if (f16_acc) {
+                for (int d = 0; d < head_dim_v; ++d) a16[d] = f32_to_f16(f16_to_f32(a16[d]) * ms);
+              } else {
+                for (int d = 0; d < head_dim_v; ++d) a32[d] *= ms;
+              }
+            } else {
+              vs = std::exp(s - M);
+            }
+            if (f16_acc) {
+              const auto* vr = reinterpret_cast<const uint16_t*>(vg + static_cast<size_t>(kv.slot(kp)) * kv.v_row_bytes);
+              for (int d = 0; d < head_dim_v; ++d) a16[d] = f32_to_f16(std::fma(f16_to_f32(vr[d]), vs, f16_to_f32(a16[d])));
+            } else {
+              const float* vr = v32 + static_cast<size_t>(kp - p0) * head_dim_v;
+              for (int d = 0; d < head_dim_v; ++d) a32[d] = std::fma(vr[d], vs, a32[d]);
+            }
+            S = S * ms + vs;
+          }
+          m_run[c] = M;
+          s_run[c] = S;
+        }
+      }
+      for (int c = 0; c < cols; ++c) {
+        float* o = out + (t0 + c / group) * ld_out + static_cast<int64_t>(g * group + c % group) * head_dim_v;
+        const float inv = s_run[c] == 0.0f ? 0.0f : 1.0f / s_run[c];
+        const float* a32 = acc + static_cast<size_t>(c) * head_dim_v;
+        const uint16_t* a16 = acc16 + static_cast<size_t>(c) * head_dim_v;
+        for (int d = 0; d < head_dim_v; ++d) o[d] = (f16_acc ? f16_to_f32(a16[d]) : a32[d]) * inv;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void attention(ThreadPool& pool, const float* q, int64_t ld_q, const KvView& kv, int pos0, int n_tokens,
+               int n_head, int n_head_kv, int head_dim, int head_dim_v, float scale, float* out,
+               int64_t ld_out, Scratch& scratch, size_t slot, int window) {
+  if (!kv.flash) {
+    attention_plain(pool, q, ld_q, kv, pos0, n_tokens, n_head, n_head_kv, head_dim, head_dim_v, scale, out, ld_out,
+                    scratch, slot, window);
+    return;
+  }
+  if (kv.rot_k > 0) {
+    // Q rotated as K was (the scratch slot after this op's own).
+    const int64_t qw = static_cast<int64_t>(n_head) * head_dim;
+    float* qr = scratch.floats(slot + 1, static_cast<size_t>(n_tokens) * qw);
+    for (int t = 0; t < n_tokens; ++t) {
+      std::memcpy(qr + t * qw, q + t * ld_q, sizeof(float) * qw);
+      hadamard_blocks(qr + t * qw, qw, kv.rot_k);
+    }
+    q = qr;
+    ld_q = qw;
+  }
+  attention_flash(pool, q, ld_q, kv, pos0, n_tokens, n_head, n_head_kv, head_dim, head_dim_v, scale, out, ld_out,
+                  scratch, slot, window);
+  if (kv.rot_v > 0)
+    for (int t = 0; t < n_tokens; ++t) hadamard_blocks(out + t * ld_out, static_cast<int64_t>(n_head) * head_dim_v, kv.rot_v);
+}
+
+void kv_store(const KvView& kv, int pos0, int n_tokens, const float* k, int64_t ld_k, const float* v,
+              int64_t ld_v, int k_width, int v_width) {
+  // Rotated caches (flash attention only) rotate a copy of each row before it is stored.
+  std::vector<float> rot(kv.rot_k > 0 || kv.rot_v > 0 ? std::max(k_width, v_width) : 0);
+  for (int t = 0; t < n_tokens; ++t) {
+    const int s = kv.slot(pos0 + t);
+    const float* kr = k + t * ld_k;
+    const float* vr = v + t * ld_v;
+    if (!kv.flash) {
+      const size_t es = elem_bytes(kv.type);
+      uint8_t* krow = kv.k + s * kv.k_row_bytes;
+      kv_quantize_row(kv.type, kr, krow, k_width);
+      for (int i = 0; i < v_width; ++i)
+        kv_quantize_row(kv.type, vr + i, kv.v + (static_cast<size_t>(i) * kv.n_ctx + s) * es, 1);
+      continue;
+    }
+    if (kv.rot_k > 0) {
+      std::memcpy(rot.data(), kr, sizeof(float) * k_width);
+      hadamard_blocks(rot.data(), k_width, kv.rot_k);
+      kr = rot.data();
+    }
+    kv_quantize_row(kv.type, kr, kv.k + s * kv.k_row_bytes, k_width);
+    if (kv.rot_v > 0) {
+      std::memcpy(rot.data(), vr, sizeof(float) * v_width);
+      hadamard_blocks(rot.data(), v_width, kv.rot_v);
+      vr = rot.data();
+    }
+    kv_quantize_row(kv.v_type, vr, kv.v + s * kv.v_row_bytes, v_width);
+  }
+}
+
+KvCache::KvCache(const std::vector<LayerSpec>& specs, int n_ctx, const KvCacheType& type) {
+  std::vector<int> dk, dv;
+  for (const LayerSpec& l : specs)
+    if (l.is_attention()) dk.push_back(l.attn().head_dim), dv.push_back(l.attn().head_dim_v);
+  check_kv_cache_type(type, dk, dv);
+  const KvRotation rot = kv_rotation(type, dk, dv);
+  const bool flash = type.flash_on();
+  const size_t L = specs.size();
+  views_.assign(L, KvView{type.k, nullptr, nullptr, 0, 0});
+  src_.assign(L, 0);
+  k_.resize(L);
+  v_.resize(L);
+  for (size_t l = 0; l < L; ++l) {
+    src_[l] = static_cast<int>(l);
+    if (!specs[l].is_attention()) continue;
+    const AttnSpec& a = specs[l].attn();
+    if (a.kv_from >= 0) {
+      src_[l] = a.kv_from;
+      continue;
+    }
+    KvView& v = views_[l];
+    v.n_ctx = static_cast<int>(a.kv_positions(n_ctx));
+    v.ring = a.window > 0;
+    if (v.ring && v.n_ctx < n_ctx) window_ = std::max(window_, a.window);
+    v.k_row_bytes = static_cast<int64_t>(a.n_head_kv) * static_cast<int64_t>(row_bytes(type.k, a.head_dim));
+    v.flash = flash;
+    v.v_type = flash ? type.v : type.k;
+    v.v_row_bytes = static_cast<int64_t>(a.n_head_kv) * static_cast<int64_t>(row_bytes(v.v_type, a.head_dim_v));
+    v.rot_k = flash ? rot.k : 0;
+    v.rot_v = flash ? rot.v : 0;
+    k_[l].assign(static_cast<size_t>(v.k_row_bytes) * v.n_ctx, 0);
+    v_[l].assign(static_cast<size_t>(v.v_row_bytes) * v.n_ctx, 0);
+    v.k = k_[l].data();
+    v.v = v_[l].data();
+  }
+}
+
+size_t KvCache::bytes() const {
+  size_t b = 0;
+  for (size_t l = 0; l < k_.size(); ++l) b += k_[l].size() + v_[l].size();
+  return b;
 }
 
 // ---- FFN ----------------------------------------------------------------------------------------

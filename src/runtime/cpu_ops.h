@@ -10,6 +10,7 @@
 
 #include "model/layer_spec.h"
 #include "model/model.h"
+#include "runtime/kv_cache.h"
 #include "runtime/rope.h"
 #include "runtime/thread_pool.h"
 
@@ -74,28 +75,60 @@ void rope_neox(float* x, int n_tokens, int n_heads, int head_dim, int64_t ld, in
                const RopeParams& rope, const float* freq_factors = nullptr);
 
 // Causal softmax attention of n_tokens queries at positions pos0.. over the cached keys 0..pos.
-// Reference numerics (llama.cpp without flash attention): Q is rounded to the cache type, scores =
-// K.Q * scale, softmax in f32 (sum in double), probabilities rounded to the cache type, then V^T.P with
-// f32 accumulation. Both products run on the matmul tile kernels of the cache type.
-// Cache layout (one layer): K rows [pos][n_head_kv * head_dim]; V transposed, [n_head_kv * head_dim_v]
-// rows of n_ctx positions, so that V^T.P reads rows like any weight matrix.
-// ring (sliding-window layers): the cache holds the last n_ctx positions, position p in slot
-// p % n_ctx, so that a layer with a window keeps only the window (plus a micro-batch).
+// Two numerics, as the reference's two paths (the cache's layout says which, KvView::flash):
+// - without flash attention (f16, f32, bf16 caches): Q is rounded to the cache type, scores =
+//   K.Q * scale, softmax in f32 (sum in double), probabilities rounded to the cache type, then V^T.P
+//   with f32 accumulation; both products on the matmul tile kernels of the cache type. V is stored
+//   transposed, [n_head_kv * head_dim_v] rows of n_ctx positions, so V^T.P reads rows like a weight.
+// - flash attention (every KV type, K and V independent; V rows untransposed): per query an online
+//   softmax over the keys in position order, as ggml's one-row CPU kernel: Q converted to K's dot
+//   format (f16 for f16 K, q8_0 for q8_0 / q4_0 K), each score K.Q * scale, the running maximum
+//   rescaling the accumulator; an f16 V accumulated in f16 (rounded at every key), any other V
+//   decoded to f32 and accumulated in f32. With f16 K and V and at least 64 queries the reference
+//   switches to its tiled kernel (Q, K, V in f32), and so does this one.
+// K rows are [pos][n_head_kv * head_dim] either way. ring (sliding-window layers): the cache holds
+// the last n_ctx positions, position p in slot p % n_ctx, so that a layer with a window keeps only
+// the window (plus a micro-batch). rot_k / rot_v (quantized caches, runtime/kv_cache.h): kv_store
+// rotates K and V before storing them, attention rotates Q alike and the output back.
 struct KvView {
-  DType type;       // F16 or F32
+  DType type;       // K's type (and V's without flash attention)
   uint8_t* k;
   uint8_t* v;
-  int n_ctx;        // positions per V^T row (capacity)
+  int n_ctx;        // positions (capacity)
   int64_t k_row_bytes;  // bytes per position of K
   bool ring = false;
+  bool flash = false;   // V rows [slot][v_row_bytes] of v_type; flash-attention numerics
+  DType v_type = DType::F16;
+  int64_t v_row_bytes = 0;
+  int rot_k = 0, rot_v = 0;  // Walsh-Hadamard block sizes (0: none)
   int slot(int pos) const { return ring ? pos % n_ctx : pos; }
+  DType value_type() const { return flash ? v_type : type; }
 };
 void kv_store(const KvView& kv, int pos0, int n_tokens, const float* k, int64_t ld_k, const float* v,
               int64_t ld_v, int k_width, int v_width);
+
+// The CPU states' KV caches, one per attention layer with KV of its own (none for DeltaNet layers;
+// a shared-KV layer reads its source's; a sliding-window layer's is a ring of its window plus a
+// micro-batch), in the layout and with the rotation the cache type asks for. Checks the type
+// against the layers (check_kv_cache_type) and allocates exactly layer_memory()'s bytes.
+class KvCache {
+ public:
+  KvCache(const std::vector<LayerSpec>& specs, int n_ctx, const KvCacheType& type);
+  KvView view(int l) const { return views_[src_[l]]; }
+  size_t bytes() const;
+  // The largest window among rings smaller than the context (0: no cache wraps).
+  int wrapping_window() const { return window_; }
+
+ private:
+  std::vector<KvView> views_;
+  std::vector<int> src_;
+  std::vector<std::vector<uint8_t>> k_, v_;
+  int window_ = 0;
+};
 // window > 0 (sliding-window layers): a query at p sees positions p - window + 1 .. p only, and only
 // those are read; a ring cache must hold every position a batch's queries see (window - 1 + n_tokens
 // <= n_ctx). The keys a block of queries sees are in position order either way, so the products and
-// the softmax run in the same order as over a plain cache.
+// the softmax run in the same order as over a plain cache. Uses scratch slots `slot` and slot + 1.
 void attention(ThreadPool& pool, const float* q, int64_t ld_q, const KvView& kv, int pos0, int n_tokens,
                int n_head, int n_head_kv, int head_dim, int head_dim_v, float scale, float* out,
                int64_t ld_out, Scratch& scratch, size_t slot, int window = 0);

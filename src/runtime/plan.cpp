@@ -195,10 +195,10 @@ uint64_t gpu_scratch_bytes(const ModelConfig& cfg, int n_ubatch, int n_ctx, uint
   return total * 21 / 20;
 }
 
-uint64_t kv_cache_bytes(const ModelConfig& cfg, int64_t n_ctx, DType kv_type) {
+uint64_t kv_cache_bytes(const ModelConfig& cfg, int64_t n_ctx, const KvCacheType& kv) {
   // The states allocate from the same layer descriptions (src/model/layer_spec.h); the MTP block's KV
   // lives in the drafter's own state.
-  return sequence_memory_bytes(cfg, std::max<int64_t>(n_ctx, 0), kv_type, kStateCheckpoints, /*with_mtp=*/false);
+  return sequence_memory_bytes(cfg, std::max<int64_t>(n_ctx, 0), kv, kStateCheckpoints, /*with_mtp=*/false);
 }
 
 namespace {
@@ -239,7 +239,7 @@ namespace {
 int64_t max_gpu_context(const ModelConfig& cfg, const PlanOptions& opt, uint64_t weights, uint64_t reserve,
                         uint64_t expert_bytes, uint64_t budget) {
   auto fits = [&](int64_t ctx) {
-    const uint64_t need = weights + kv_cache_bytes(cfg, ctx, opt.kv_type) + reserve +
+    const uint64_t need = weights + kv_cache_bytes(cfg, ctx, opt.kv) + reserve +
                           gpu_scratch_bytes(cfg, opt.n_ubatch, static_cast<int>(ctx), expert_bytes, opt.prefill_chunk_experts);
     return need <= budget;
   };
@@ -262,7 +262,7 @@ void predict_speed(const gguf::File& file, const ModelConfig& cfg, Plan& p, int 
   const int E = cfg.n_expert, k = cfg.n_expert_used;
   const bool tied = cfg.tied_output;
   const double n_prompt = std::max(1, n_prompt_tokens);
-  const uint64_t kv_per_token = kv_cache_bytes(cfg, 1, opt.kv_type) - kv_cache_bytes(cfg, 0, opt.kv_type);
+  const uint64_t kv_per_token = kv_cache_bytes(cfg, 1, opt.kv) - kv_cache_bytes(cfg, 0, opt.kv);
   // Non-expert bytes per token (the embedding reads one row).
   double non_expert_tok = 0;
   for (auto& t : p.tensors)
@@ -282,7 +282,7 @@ void predict_speed(const gguf::File& file, const ModelConfig& cfg, Plan& p, int 
   // Per token: the KV of a typical depth, and a recurrent layer's state read and written once (the
   // live copy: kv_cache_bytes(cfg, 0) holds it and its checkpoints).
   const double kv_read = static_cast<double>(kv_per_token) * std::min(opt.n_ctx, 1024) +
-                         2.0 * static_cast<double>(kv_cache_bytes(cfg, 0, opt.kv_type)) / (1 + kStateCheckpoints);
+                         2.0 * static_cast<double>(kv_cache_bytes(cfg, 0, opt.kv)) / (1 + kStateCheckpoints);
   if (p.use_gpu) {
     constexpr double kLayerLaunches = 9 * 3.92e-6, kHybridLayerLaunches = 10 * 4.5e-6, kHybridSync = 15e-6;
     int hybrid_layers = 0;
@@ -466,9 +466,9 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
   const int E = cfg.n_expert, k = cfg.n_expert_used;
 
   // KV cache and scratch first: they are needed whatever else fits.
-  const uint64_t state_fixed = kv_cache_bytes(cfg, 0, opt.kv_type);  // recurrent state and its checkpoints
-  const uint64_t kv_per_token = kv_cache_bytes(cfg, 1, opt.kv_type) - state_fixed;
-  p.gpu_kv = kv_cache_bytes(cfg, opt.n_ctx, opt.kv_type);
+  const uint64_t state_fixed = kv_cache_bytes(cfg, 0, opt.kv);  // recurrent state and its checkpoints
+  const uint64_t kv_per_token = kv_cache_bytes(cfg, 1, opt.kv) - state_fixed;
+  p.gpu_kv = kv_cache_bytes(cfg, opt.n_ctx, opt.kv);
   p.state_bytes = state_fixed;
   uint64_t per_expert = 0;  // one expert's gate + up + down bytes, largest over the layers
   {
@@ -565,14 +565,14 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
       if (max_ctx >= 512) {
         s << "; a context of at most " << max_ctx << " tokens would fit";
       } else {
-        const uint64_t min_need = p.gpu_weights + kv_cache_bytes(cfg, 512, opt.kv_type) + p.reserve +
+        const uint64_t min_need = p.gpu_weights + kv_cache_bytes(cfg, 512, opt.kv) + p.reserve +
                                   gpu_scratch_bytes(cfg, opt.n_ubatch, 512, per_expert, opt.prefill_chunk_experts);
         s << "; at least " << gib(static_cast<double>(min_need)) << " is needed even with a 512-token context";
       }
       throw Error(s.str());
     }
     p.notes.push_back("non-expert weights " + gib(p.gpu_weights) + " and the KV cache (" + std::to_string(opt.n_ctx) +
-                      " tokens, " + dtype_name(opt.kv_type) + ") " + gib(p.gpu_kv) + " go to the GPU first");
+                      " tokens, " + opt.kv.name() + ") " + gib(p.gpu_kv) + " go to the GPU first");
 
     // 2. Routed experts: as many as fit, spread evenly over the layers, after the manual rules.
     if (E > 0 && !expert_idx.empty()) {
@@ -653,7 +653,7 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
   // Host memory, planned like VRAM: the weights' copy (pinned for a GPU run), the KV cache of a CPU run
   // and the CPU's activations for a 512-token batch, against what the machine has available.
   p.host_weight_copy = p.use_gpu || !opt.use_mmap ? file.data_bytes() : 0;
-  p.host_kv = p.use_gpu ? 0 : kv_cache_bytes(cfg, opt.n_ctx, opt.kv_type);
+  p.host_kv = p.use_gpu ? 0 : kv_cache_bytes(cfg, opt.n_ctx, opt.kv);
   {
     const uint64_t ff = static_cast<uint64_t>(std::max<int64_t>({cfg.n_ff_exp, cfg.n_ff, 1})) * std::max(1, cfg.n_expert_used);
     p.host_scratch = 512ull * 4 * (8ull * cfg.n_embd + 3 * ff + static_cast<uint64_t>(cfg.n_head) * cfg.head_dim * 3) +
@@ -726,7 +726,7 @@ std::string Plan::report() const {
     s << "  non-expert weights  " << gib(static_cast<double>(gpu_weights)) << "\n";
     s << "  routed experts      " << gib(static_cast<double>(gpu_experts)) << "\n";
     s << (state_bytes ? "  KV + state          " : "  KV cache            ") << gib(static_cast<double>(gpu_kv)) << "  ("
-      << options.n_ctx << " tokens, " << dtype_name(options.kv_type) << state_note() << ")\n";
+      << options.n_ctx << " tokens, " << options.kv.name() << state_note() << ")\n";
     s << "  scratch             " << gib(static_cast<double>(gpu_scratch)) << "  (micro-batch " << options.n_ubatch << ")\n";
     s << "  CUDA runtime        " << gib(static_cast<double>(reserve))
       << (machine.gpu_runtime_bytes ? "  (context, kernels, cuBLAS: " + gib(static_cast<double>(machine.gpu_runtime_bytes)) +
@@ -743,7 +743,7 @@ std::string Plan::report() const {
     << gib(static_cast<double>(host_experts)) << " routed experts\n";
   if (!use_gpu)
     s << (state_bytes ? "  KV + state          " : "  KV cache            ") << gib(static_cast<double>(host_kv)) << "  ("
-      << options.n_ctx << " tokens, " << dtype_name(options.kv_type) << state_note() << ")\n";
+      << options.n_ctx << " tokens, " << options.kv.name() << state_note() << ")\n";
   s << "  scratch             " << gib(static_cast<double>(host_scratch)) << "\n";
   s << "  total               " << gib(static_cast<double>(host_total())) << "\n";
   s << "\nplacement by tensor class:\n";

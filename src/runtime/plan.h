@@ -16,6 +16,7 @@
 #include "format/gguf.h"
 #include "model/config.h"
 #include "quant/dtype.h"
+#include "runtime/kv_cache.h"
 
 namespace fitmoe {
 
@@ -51,7 +52,7 @@ struct PlanOptions {
   bool use_mmap = false;              // weights computed from the file mapping (CPU runs): not copied
   uint64_t vram_budget = 0;           // 0: the card's free memory minus a margin
   int n_ctx = 4096;
-  DType kv_type = DType::F16;
+  KvCacheType kv;
   int n_ubatch = 0;                   // prefill micro-batch on the GPU; 0: automatic (see make_plan)
   int n_cpu_moe = 0;                  // experts of the first N layers on the host
   bool cpu_moe = false;               // all routed experts on the host
@@ -151,10 +152,10 @@ HostExpertsCost prefill_host_experts_cost(const PlanOptions& opt, const MachineP
 uint64_t gpu_scratch_bytes(const ModelConfig& cfg, int n_ubatch, int n_ctx, uint64_t expert_bytes, int chunk_experts);
 
 // Bytes of one sequence's state for n_ctx positions: the KV cache of every attention layer (K and V rows
-// of kv_type) plus the fixed recurrent state of every DeltaNet layer with kStateCheckpoints copies of it
+// of the cache type kv) plus the fixed recurrent state of every DeltaNet layer with kStateCheckpoints copies of it
 // (src/model/layer_spec.h: the same figures the states allocate).
 constexpr int kStateCheckpoints = 4;  // StateOptions::max_checkpoints' default
-uint64_t kv_cache_bytes(const ModelConfig& cfg, int64_t n_ctx, DType kv_type);
+uint64_t kv_cache_bytes(const ModelConfig& cfg, int64_t n_ctx, const KvCacheType& kv);
 
 // MemAvailable / MemTotal from /proc/meminfo (0 where it cannot be read).
 uint64_t host_memory_available();

@@ -26,13 +26,13 @@ Session::Session(const Model& model, const SessionOptions& opt)
   // A CPU run keeps the KV cache (and any recurrent state with its checkpoints) in host memory: fail
   // with the figures, not with the OOM killer. Per layer kind: qwen35's DeltaNet layers hold no KV.
   if (!model.on_gpu())
-    check_host_memory(sequence_memory_bytes(model.config(), opt.n_ctx, opt.kv_type, StateOptions{}.max_checkpoints, false),
+    check_host_memory(sequence_memory_bytes(model.config(), opt.n_ctx, opt.kv, StateOptions{}.max_checkpoints, false),
                       "the KV cache of " + std::to_string(opt.n_ctx) + " tokens");
   // Automatic batch: the plan's GPU micro-batch (larger when prefill streams host experts), else 512.
   if (opt_.n_batch <= 0) opt_.n_batch = std::max(512, model.plan().options.n_ubatch);
   StateOptions so;
   so.n_ctx = opt.n_ctx;
-  so.kv_type = opt.kv_type;
+  so.kv = opt.kv;
   state_ = model.new_state(so);
 }
 

@@ -16,7 +16,7 @@ namespace fitmoe {
 struct SessionOptions {
   int n_threads = 0;       // 0: all cores (all but one when the model runs on a GPU)
   int n_ctx = 4096;
-  DType kv_type = DType::F16;
+  KvCacheType kv;          // -ctk / -ctv / -fa
   int n_batch = 512;       // prompt tokens per forward batch
 };
 

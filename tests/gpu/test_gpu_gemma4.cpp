@@ -264,7 +264,7 @@ TEST_P(GpuGemma4Reference, LogitsAndGreedyMatch) {
     if (ref.contains("logits_kv_f32")) {
       auto kv = fitmoe::test::read_f32(dir + "/" + ref["logits_kv_f32"].get<std::string>());
       std::printf("  %s\n",
-                  fitmoe::test::check_logits(*model, prompt, row0, kv, tol, label + " kvf32", DType::F32).c_str());
+                  fitmoe::test::check_logits(*model, prompt, row0, kv, tol, label + " kvf32", KvCacheType{DType::F32, DType::F32}).c_str());
     }
     fitmoe::test::check_greedy(*model, fitmoe::test::read_json(dir + "/" + ref["greedy"].get<std::string>()), tol,
                                label);
@@ -309,7 +309,7 @@ TEST(GpuGemma4, MatchesTheCpuPastTheWindow) {
   // f32 caches on both sides: with f16 ones, 600 positions of slightly different rounded keys (the
   // GPU's products sum in another order) drift to ~2.6e-3 (measured), which hides nothing about the
   // window but would need a loose bound.
-  so.kv_type = DType::F32;
+  so.kv = {DType::F32, DType::F32};
   for (const char* mode : {"gpu", "cpu_moe"}) {
     LoadOptions lo;
     lo.plan.n_ctx = 1200;

@@ -169,7 +169,7 @@ TEST(GpuQwen35State, CheckpointRewindGivesTheSameTokensAsAFreshRun) {
       EXPECT_LE(test::rel_l2(l_rew.data(), l_fresh.data(), V), 1e-6) << label;
 
       // At the state level.
-      auto st = model->new_state({128, DType::F16, 4});
+      auto st = model->new_state({128, KvCacheType{}, 4});
       ThreadPool pool(2);
       EXPECT_TRUE(st->recurrent());
       model->forward(*st, pool, a, 0, nullptr);
