@@ -36,6 +36,7 @@ struct BenchArgs {
   ModelOptions model;
   std::vector<int> prompt = {512};
   std::vector<int> gen = {128};
+  std::vector<int> depth = {0};  // -d: tokens already in the cache when a test starts
   std::vector<int> threads;  // empty: the session's default (all cores; all but one with a GPU)
   int reps = 5;
   int batch = 0;             // -b, copied to the model options when given
@@ -48,7 +49,8 @@ struct BenchArgs {
 // One test at one thread count: the nanoseconds of each repetition.
 struct Result {
   std::string test;
-  int n_prompt = 0, n_gen = 0, n_threads = 0;
+  int n_prompt = 0, n_gen = 0, n_threads = 0, n_depth = 0;
+  double kv_bytes_per_token = 0;  // generation at depth: the cache read per token besides the weights
   std::string test_time;
   std::vector<uint64_t> ns;
   double bound = 0;  // generation's physical bound at this thread count (tok/s; 0: unknown)
@@ -237,6 +239,7 @@ void check_args(const BenchArgs& a) {
   };
   lengths("-p", a.prompt);
   lengths("-n", a.gen);
+  lengths("-d", a.depth);
   for (int t : a.threads)
     if (t < 1) fail("-t values must be at least 1 (got " + std::to_string(t) + ")");
   if (a.batch_opt && a.batch_opt->count() && a.batch < 1) fail("-b must be at least 1 (got " + std::to_string(a.batch) + ")");
@@ -267,6 +270,10 @@ void register_bench(CLI::App& app) {
   cmd->add_option("-n,--n-gen", a->gen,
                   "generation lengths to test: tgN times N decode steps of one token each, so N generated tokens (0: none)")
       ->delimiter(',');
+  cmd->add_option("-d,--n-depth", a->depth,
+                  "cache depths to test, e.g. 0,32768: each test starts with that many tokens already in the KV cache "
+                  "(filled before the timer starts, as llama-bench's -d)")
+      ->delimiter(',');
   cmd->add_option("-r,--repetitions", a->reps, "repetitions per test (after one warm-up run)");
   a->batch_opt = cmd->add_option("-b,--batch", a->batch,
                                  "GPU micro-batch (prompt tokens per forward pass; default: automatic)");
@@ -278,18 +285,20 @@ void register_bench(CLI::App& app) {
     const std::string format = a->json ? "json" : a->output;
     auto model = load_model(a->model);
     const auto& cfg = model->config();
-    int max_ctx = 16;
-    for (int p : a->prompt) max_ctx = std::max(max_ctx, p + 1);
-    for (int g : a->gen) max_ctx = std::max(max_ctx, g + 1);
+    int max_ctx = 16, max_depth = 0;
+    for (int d : a->depth) max_depth = std::max(max_depth, d);
+    for (int p : a->prompt) max_ctx = std::max(max_ctx, max_depth + p + 1);
+    for (int g : a->gen) max_ctx = std::max(max_ctx, max_depth + g + 1);
     const std::vector<int> thread_counts = a->threads.empty() ? std::vector<int>{0} : a->threads;
     const double bpt = model->bytes_per_token();
     const Plan& plan = model->plan();
 
     // The physical bound of generation: bytes read per token over the bandwidth of where they live
     // (as measured by the machine probe, or given to it).
-    auto tg_bound = [&](int n_threads) {
+    // At depth, each generated token also reads the cache of every attention layer (kv_bytes).
+    auto tg_bound = [&](int n_threads, double kv_bytes) {
       if (model->on_gpu()) {
-        const double gpu_bytes = bpt - plan.host_expert_bytes_per_token;
+        const double gpu_bytes = bpt - plan.host_expert_bytes_per_token + kv_bytes;
         const double t = plan.host_expert_bytes_per_token / std::max(1.0, plan.machine.host_mem_bw) +
                          gpu_bytes / std::max(1.0, plan.machine.gpu_mem_bw);
         return t > 0 ? 1.0 / t : 0.0;
@@ -298,7 +307,7 @@ void register_bench(CLI::App& app) {
       // A CPU-only load does not probe the machine; bench does (once per thread count, then cached),
       // with the threads it measures, since the bandwidth a CPU reaches grows with them.
       const double host_bw = probe_machine(n_threads, false).host_mem_bw;
-      return host_bw > 0 ? host_bw / bpt : 0.0;
+      return host_bw > 0 ? host_bw / (bpt + kv_bytes) : 0.0;
     };
 
     std::vector<Result> results;
@@ -308,13 +317,30 @@ void register_bench(CLI::App& app) {
       so.n_threads = nt;
       so.n_ctx = max_ctx;
       so.n_batch = max_ctx;  // each ppN is one batch (the GPU splits it into micro-batches of -b)
+      const KvCacheType kv = so.kv;
       n_batch = so.n_batch;
       // One session at a time: each has its own thread pool and KV cache, and on a GPU the plan
       // budgeted memory for one cache.
       Session s(*model, so);
       const int threads = s.pool().size();
       const std::string tag = thread_counts.size() > 1 ? " (" + std::to_string(threads) + " threads)" : "";
-      const double bound = tg_bound(threads);
+      // The cache filled to `depth` before a repetition: once per test where the state can be cut
+      // back to it (a plain KV cache), else (recurrent layers, wrapped rings) filled again each time.
+      int filled = -1;
+      const std::vector<int32_t> context = random_tokens(std::max(1, max_depth), cfg.n_vocab, 99);
+      auto at_depth = [&](int depth) {
+        if (depth == 0) {
+          s.state().reset();
+          return;
+        }
+        if (filled == depth && !s.state().recurrent() && s.n_past() >= depth) {
+          s.state().truncate(depth);
+          return;
+        }
+        s.state().reset();
+        s.eval(std::span<const int32_t>(context.data(), depth), 1);
+        filled = depth;
+      };
       // The plan's prediction for a test: on the CPU with the profile of the threads this row runs.
       auto predict = [&](const Result& r) {
         Plan q = plan;
@@ -322,13 +348,16 @@ void register_bench(CLI::App& app) {
         predict_speed(model->file(), cfg, q, std::max(1, r.n_prompt));
         return r.n_gen ? q.predicted_tg : q.predicted_pp;
       };
-      auto measure = [&](Result r, const std::vector<int32_t>& toks, auto&& run) {
+      auto measure = [&](Result r, int depth, const std::vector<int32_t>& toks, auto&& run) {
         r.n_threads = threads;
-        r.bound = bound;
+        r.n_depth = depth;
+        if (depth > 0) r.test += " @ d" + std::to_string(depth);
+        r.kv_bytes_per_token = r.n_gen ? static_cast<double>(kv_cache_bytes(cfg, depth, kv) - kv_cache_bytes(cfg, 0, kv)) : 0.0;
+        r.bound = tg_bound(threads, r.kv_bytes_per_token);
         r.predicted = predict(r);
         r.test_time = utc_now_iso8601();
         for (int rep = -1; rep < a->reps; ++rep) {  // rep -1 is the warm-up
-          s.state().reset();
+          at_depth(depth);
           const uint64_t t0 = now_ns();
           const int n = run(rep < 0, toks);
           const uint64_t dt = std::max<uint64_t>(1, now_ns() - t0);
@@ -339,23 +368,25 @@ void register_bench(CLI::App& app) {
         std::fprintf(stderr, "\n");
         results.push_back(std::move(r));
       };
-      for (int p : a->prompt) {
-        if (p <= 0) continue;
-        measure(new_result("pp" + std::to_string(p), p, 0), random_tokens(p, cfg.n_vocab, 42),
-                [&](bool, const std::vector<int32_t>& toks) {
-                  s.eval(toks, 1);
-                  return p;
-                });
-      }
-      for (int g : a->gen) {
-        if (g <= 0) continue;
-        // tgN: N decode steps of one token each, so N generated tokens (the warm-up runs a few).
-        measure(new_result("tg" + std::to_string(g), 0, g), random_tokens(g, cfg.n_vocab, 7),
-                [&](bool warmup, const std::vector<int32_t>& toks) {
-                  const int n = warmup ? std::min(g, 4) : g;
-                  for (int i = 0; i < n; ++i) s.eval(std::span<const int32_t>(&toks[i], 1), 1);
-                  return n;
-                });
+      for (int depth : a->depth) {
+        for (int p : a->prompt) {
+          if (p <= 0) continue;
+          measure(new_result("pp" + std::to_string(p), p, 0), depth, random_tokens(p, cfg.n_vocab, 42),
+                  [&](bool, const std::vector<int32_t>& toks) {
+                    s.eval(toks, 1);
+                    return p;
+                  });
+        }
+        for (int g : a->gen) {
+          if (g <= 0) continue;
+          // tgN: N decode steps of one token each, so N generated tokens (the warm-up runs a few).
+          measure(new_result("tg" + std::to_string(g), 0, g), depth, random_tokens(g, cfg.n_vocab, 7),
+                  [&](bool warmup, const std::vector<int32_t>& toks) {
+                    const int n = warmup ? std::min(g, 4) : g;
+                    for (int i = 0; i < n; ++i) s.eval(std::span<const int32_t>(&toks[i], 1), 1);
+                    return n;
+                  });
+        }
       }
     }
 
@@ -431,7 +462,8 @@ void register_bench(CLI::App& app) {
         o["use_mmap"] = a->model.mmap;
         o["n_prompt"] = r.n_prompt;
         o["n_gen"] = r.n_gen;
-        o["n_depth"] = 0;
+        o["n_depth"] = r.n_depth;
+        o["kv_bytes_per_token"] = r.kv_bytes_per_token;
         o["test_time"] = r.test_time;
         o["avg_ns"] = static_cast<uint64_t>(std::llround(mean(ns)));
         o["stddev_ns"] = static_cast<uint64_t>(std::llround(stddev(ns)));
@@ -492,7 +524,7 @@ void register_bench(CLI::App& app) {
       const double m = mean(ts);
       std::string bytes = r.n_gen ? human_bytes(bpt) : "-";
       char gbps[32] = "-", bnd[48] = "-";
-      if (r.n_gen) std::snprintf(gbps, sizeof gbps, "%.1f", bpt * m / 1e9);
+      if (r.n_gen) std::snprintf(gbps, sizeof gbps, "%.1f", (bpt + r.kv_bytes_per_token) * m / 1e9);  // weights + cache
       if (r.n_gen && r.bound > 0) std::snprintf(bnd, sizeof bnd, "%.1f (%.0f%%)", r.bound, 100.0 * m / r.bound);
       std::printf("| %s | %s | %.2f B | %s | %d | %s | %.2f ± %.2f | %s | %s | %s |\n", model_type.c_str(),
                   human_bytes(static_cast<double>(size)).c_str(), params / 1e9, backend.c_str(), r.n_threads,

@@ -5,6 +5,10 @@
 #include <cstring>
 #include <numeric>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "quant/kernels.h"
 #include "runtime/cpu_gemma4.h"
 #include "runtime/error.h"
@@ -265,6 +269,59 @@ void attention_plain(ThreadPool& pool, const float* q, int64_t ld_q, const KvVie
   });
 }
 
+// The accumulator updates of flash attention, as ggml's vec_mad / vec_scale: y = fma(x, v, y) and
+// y = y * v, in f32 or with f16 rounding after each (F16C where the CPU has it: the reference's
+// AVX2 path, same bits; a portable fallback with the exact conversions otherwise). This file is
+// built without -mfma, so the fused forms come from functions compiled for AVX2 + FMA + F16C.
+#if defined(__x86_64__)
+bool has_avx2() { return quant::cpu_isa() != quant::Isa::Scalar; }
+
+__attribute__((target("avx2,fma,f16c"))) void mad_f32_avx2(float* y, const float* x, float v, int n) {
+  const __m256 vv = _mm256_set1_ps(v);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(_mm256_loadu_ps(x + i), vv, _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] = __builtin_fmaf(x[i], v, y[i]);
+}
+__attribute__((target("avx2,fma,f16c"))) void mad_f16_avx2(uint16_t* y, const uint16_t* x, float v, int n) {
+  const __m256 vv = _mm256_set1_ps(v);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(y + i)));
+    const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), _mm256_cvtps_ph(_mm256_fmadd_ps(b, vv, a), _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < n; ++i) y[i] = f32_to_f16(__builtin_fmaf(f16_to_f32(x[i]), v, f16_to_f32(y[i])));
+}
+__attribute__((target("avx2,fma,f16c"))) void scale_f16_avx2(uint16_t* y, float v, int n) {
+  const __m256 vv = _mm256_set1_ps(v);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(y + i)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), _mm256_cvtps_ph(_mm256_mul_ps(a, vv), _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < n; ++i) y[i] = f32_to_f16(f16_to_f32(y[i]) * v);
+}
+
+#else
+bool has_avx2() { return false; }
+void mad_f32_avx2(float*, const float*, float, int) {}
+void mad_f16_avx2(uint16_t*, const uint16_t*, float, int) {}
+void scale_f16_avx2(uint16_t*, float, int) {}
+#endif
+
+void mad_f32(float* y, const float* x, float v, int n) {
+  if (has_avx2()) return mad_f32_avx2(y, x, v, n);
+  for (int i = 0; i < n; ++i) y[i] = std::fma(x[i], v, y[i]);
+}
+void mad_f16(uint16_t* y, const uint16_t* x, float v, int n) {
+  if (has_avx2()) return mad_f16_avx2(y, x, v, n);
+  for (int i = 0; i < n; ++i) y[i] = f32_to_f16(std::fma(f16_to_f32(x[i]), v, f16_to_f32(y[i])));
+}
+void scale_f16(uint16_t* y, float v, int n) {
+  if (has_avx2()) return scale_f16_avx2(y, v, n);
+  for (int i = 0; i < n; ++i) y[i] = f32_to_f16(f16_to_f32(y[i]) * v);
+}
+
 // Flash attention (KvView::flash): see cpu_ops.h. Work items are (kv head, block of tokens) as in the
 // plain path; each item walks its keys in chunks of kKeyChunk positions: the chunk's scores for all of
 // the item's query columns in one tile product, its V rows decoded once (f32 accumulation), then per
@@ -365,20 +422,18 @@ void attention_flash(ThreadPool& pool, const float* q, int64_t ld_q, const KvVie
               M = s;
               ms = std::exp(m_old - M);
               if (f16_acc) {
-                for (int d = 0; d < head_dim_v; ++d) a16[d] = f32_to_f16(f16_to_f32(a16[d]) * ms);
+                scale_f16(a16, ms, head_dim_v);
               } else {
                 for (int d = 0; d < head_dim_v; ++d) a32[d] *= ms;
               }
             } else {
               vs = std::exp(s - M);
             }
-            if (f16_acc) {
-              const auto* vr = reinterpret_cast<const uint16_t*>(vg + static_cast<size_t>(kv.slot(kp)) * kv.v_row_bytes);
-              for (int d = 0; d < head_dim_v; ++d) a16[d] = f32_to_f16(std::fma(f16_to_f32(vr[d]), vs, f16_to_f32(a16[d])));
-            } else {
-              const float* vr = v32 + static_cast<size_t>(kp - p0) * head_dim_v;
-              for (int d = 0; d < head_dim_v; ++d) a32[d] = std::fma(vr[d], vs, a32[d]);
-            }
+            if (f16_acc)
+              mad_f16(a16, reinterpret_cast<const uint16_t*>(vg + static_cast<size_t>(kv.slot(kp)) * kv.v_row_bytes), vs,
+                      head_dim_v);
+            else
+              mad_f32(a32, v32 + static_cast<size_t>(kp - p0) * head_dim_v, vs, head_dim_v);
             S = S * ms + vs;
           }
           m_run[c] = M;
