@@ -287,3 +287,27 @@ TEST(KvCacheCli, CacheTypeFlagsRunAndBadOnesAreNamed) {
 }
 
 }  // namespace
+
+namespace {
+
+// What each type costs the plan: bytes per position in the blocks' ratio (q8_0: 34 B per 32 values
+// against f16's 64), and the plan shows every type's figure at its context.
+TEST(KvCachePlan, BytesFollowTheTypeAndThePlanShowsThem) {
+  auto model = Model::load(test::testdata("qwen3moe-tiny/qwen3moe-tiny-f32.gguf"));
+  const ModelConfig& c = model->config();
+  const uint64_t f16 = kv_cache_bytes(c, 1000, KvCacheType{}), q8 = kv_cache_bytes(c, 1000, {DType::Q8_0, DType::Q8_0}),
+                 q4 = kv_cache_bytes(c, 1000, {DType::Q4_0, DType::Q4_0}), mixed = kv_cache_bytes(c, 1000, {DType::Q8_0, DType::Q4_0});
+  EXPECT_EQ(q8 * 64, f16 * 34);
+  EXPECT_EQ(q4 * 64, f16 * 18);
+  EXPECT_EQ(mixed * 2, q8 + q4);
+  // A state allocates what the plan charges.
+  StateOptions so;
+  so.n_ctx = 1000;
+  so.kv = {DType::Q8_0, DType::Q4_0};
+  EXPECT_EQ(model->new_state(so)->bytes(), mixed);
+  const std::string report = model->plan().report();
+  EXPECT_NE(report.find("KV cache at"), std::string::npos) << report;
+  EXPECT_NE(report.find("q4_0"), std::string::npos);
+}
+
+}  // namespace

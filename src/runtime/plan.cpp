@@ -654,6 +654,8 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
   // and the CPU's activations for a 512-token batch, against what the machine has available.
   p.host_weight_copy = p.use_gpu || !opt.use_mmap ? file.data_bytes() : 0;
   p.host_kv = p.use_gpu ? 0 : kv_cache_bytes(cfg, opt.n_ctx, opt.kv);
+  for (DType t : {DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0})
+    p.kv_by_type.emplace_back(t, kv_cache_bytes(cfg, opt.n_ctx, KvCacheType{t, t}));
   {
     const uint64_t ff = static_cast<uint64_t>(std::max<int64_t>({cfg.n_ff_exp, cfg.n_ff, 1})) * std::max(1, cfg.n_expert_used);
     p.host_scratch = 512ull * 4 * (8ull * cfg.n_embd + 3 * ff + static_cast<uint64_t>(cfg.n_head) * cfg.head_dim * 3) +
@@ -746,6 +748,12 @@ std::string Plan::report() const {
       << options.n_ctx << " tokens, " << options.kv.name() << state_note() << ")\n";
   s << "  scratch             " << gib(static_cast<double>(host_scratch)) << "\n";
   s << "  total               " << gib(static_cast<double>(host_total())) << "\n";
+  if (!kv_by_type.empty()) {
+    s << "\nKV cache at " << options.n_ctx << " tokens by type (-ctk/-ctv):";
+    for (size_t i = 0; i < kv_by_type.size(); ++i)
+      s << (i ? ", " : " ") << dtype_name(kv_by_type[i].first) << " " << gib(static_cast<double>(kv_by_type[i].second));
+    s << (use_gpu ? "; the GPU engine runs f16 and f32 caches so far (the others on the CPU, --gpu none)\n" : "\n");
+  }
   s << "\nplacement by tensor class:\n";
   // Group: per class name (strip blk.N.), count on GPU / host.
   struct Agg { uint64_t gpu = 0, host = 0; int n = 0; std::string reason; };

@@ -103,6 +103,9 @@ struct Plan {
   // for a GPU run; none with --mmap on the CPU), the KV cache on a CPU run, and the CPU's scratch.
   uint64_t host_weight_copy = 0, host_kv = 0, host_scratch = 0;
   uint64_t host_total() const { return host_weight_copy + host_kv + host_scratch; }
+  // The sequence state at n_ctx for each cache type (K and V alike), so that the plan can show what a
+  // smaller cache would free: (type, bytes).
+  std::vector<std::pair<DType, uint64_t>> kv_by_type;
   int experts_per_layer_gpu = 0;      // uniform spread (per layer counts may differ after overrides)
   std::vector<TensorPlacement> tensors;
   // Per decode token.
