@@ -7,6 +7,7 @@
 
 #include <bit>
 #include <cmath>
+#include <fstream>
 #include <random>
 
 #include "cli_util.h"
@@ -308,6 +309,41 @@ TEST(KvCachePlan, BytesFollowTheTypeAndThePlanShowsThem) {
   const std::string report = model->plan().report();
   EXPECT_NE(report.find("KV cache at"), std::string::npos) << report;
   EXPECT_NE(report.find("q4_0"), std::string::npos);
+}
+
+}  // namespace
+
+namespace {
+
+// `fitmoe perplexity`: windows scored, a base saved and compared with itself (KL 0, the same top token
+// everywhere), a quantized cache against it (KL above 0), and bases or texts that do not fit refused.
+TEST(Perplexity, SavesABaseAndMeasuresKlAgainstIt) {
+  const std::string m = test::testdata("qwen3moe-tiny/qwen3moe-tiny-f32.gguf");
+  const std::string text = test::temp_path("ppl", "text.txt"), short_text = test::temp_path("ppl", "short.txt"),
+                    base = test::temp_path("ppl", "base.kl");
+  {
+    std::ofstream f(text);
+    for (int i = 0; i < 200; ++i) f << "The quick brown fox " << i << " jumps over the lazy dog, again and again. ";
+    std::ofstream g(short_text);
+    g << "Too short.";
+  }
+  const std::string common = "perplexity -m " + m + " --gpu none -c 64 -f ";
+  auto saved = test::run_fitmoe(common + text + " --save-logits " + base);
+  ASSERT_EQ(saved.code, 0) << saved.err;
+  EXPECT_NE(saved.out.find("perplexity: "), std::string::npos) << saved.out;
+  auto self = test::run_fitmoe(common + text + " --kl-base " + base);
+  ASSERT_EQ(self.code, 0) << self.err;
+  EXPECT_NE(self.out.find("mean 0.000000"), std::string::npos) << self.out;
+  EXPECT_NE(self.out.find("same top token 100.00%"), std::string::npos) << self.out;
+  auto q4 = test::run_fitmoe(common + text + " --kl-base " + base + " -ctk q4_0 -ctv q4_0");
+  ASSERT_EQ(q4.code, 0) << q4.err;
+  EXPECT_EQ(q4.out.find("mean 0.000000"), std::string::npos) << q4.out;
+  auto other = test::run_fitmoe("perplexity -m " + m + " --gpu none -c 32 -f " + text + " --kl-base " + base);
+  EXPECT_EQ(other.code, 1);
+  EXPECT_NE(other.err.find("another text or --ctx"), std::string::npos) << other.err;
+  auto tiny = test::run_fitmoe(common + short_text);
+  EXPECT_EQ(tiny.code, 1);
+  EXPECT_NE(tiny.err.find("at least two windows"), std::string::npos) << tiny.err;
 }
 
 }  // namespace

@@ -108,5 +108,6 @@ void register_plan(CLI::App& app);
 void register_tokenize(CLI::App& app);
 void register_detokenize(CLI::App& app);
 void register_chat(CLI::App& app);
+void register_perplexity(CLI::App& app);
 
 }  // namespace fitmoe::cli

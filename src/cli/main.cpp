@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   fitmoe::cli::register_tokenize(app);
   fitmoe::cli::register_detokenize(app);
   fitmoe::cli::register_chat(app);
+  fitmoe::cli::register_perplexity(app);
   // The first word names a command; an unknown one gets the list and the nearest name (CLI11 alone says
   // only that a subcommand is required). `fitmoe help [COMMAND]` is --help.
   if (argc > 1 && argv[1][0] != '-') {
