@@ -22,7 +22,7 @@ for folder in ['qwen3moe-tiny','qwen35moe-tiny','gemma4-tiny','gemma4moe-tiny']:
     def ls(row):
         mx=max(row); z=math.log(sum(math.exp(x-mx) for x in row)); return [x-mx-z for x in row]
     base=[ls(r) for r in run('f16','f16','on')]
-    for k,v in [('f32','f32'),('bf16','bf16'),('q8_0','q8_0'),('q4_0','q4_0'),('q8_0','q4_0')]:
+    for k,v in [('f32','f32'),('bf16','bf16'),('q8_0','q8_0'),('q4_0','q4_0'),('q8_0','q4_0'),('tq4','tq4'),('tq3','tq3'),('tq2','tq2'),('q8_0','tq3')]:
         other=[ls(r) for r in run(k,v,'on')]
         kls=[];same=0
         for a,b in zip(base,other):

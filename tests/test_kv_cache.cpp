@@ -164,10 +164,11 @@ TEST_P(FlashAttention, MatchesScalarAttentionOverTheSameCache) {
   const AttnCase& c = GetParam();
   const int kw = c.n_head_kv * c.hd, qw = c.n_head * c.hd, total = c.pos0 + c.n_tokens;
   const int cap = c.ring ? c.window - 1 + c.n_tokens + 3 : total;
-  cpu::KvView kv{c.k, nullptr, nullptr, cap, static_cast<int64_t>(row_bytes(c.k, kw)), c.ring};
+  cpu::KvView kv{c.k, nullptr, nullptr, cap, static_cast<int64_t>(kv_row_bytes(c.k, c.hd)) * c.n_head_kv, c.ring};
   kv.flash = true;
   kv.v_type = c.v;
-  kv.v_row_bytes = static_cast<int64_t>(row_bytes(c.v, kw));
+  kv.v_row_bytes = static_cast<int64_t>(kv_row_bytes(c.v, c.hd)) * c.n_head_kv;
+  kv.tq_block_k = kv.tq_block_v = tq_block(c.hd);
   if (c.rotate) kv.rot_k = c.hd & -c.hd, kv.rot_v = 64;
   std::vector<uint8_t> kb(static_cast<size_t>(kv.k_row_bytes) * cap), vb(static_cast<size_t>(kv.v_row_bytes) * cap);
   kv.k = kb.data();
@@ -191,14 +192,17 @@ TEST_P(FlashAttention, MatchesScalarAttentionOverTheSameCache) {
   std::vector<float> kd(static_cast<size_t>(total) * kw), vd(kd.size());
   const int first_held = c.ring ? std::max(0, total - cap) : 0;
   for (int p = first_held; p < total; ++p) {
-    cpu::kv_dequantize_row(c.k, kb.data() + static_cast<size_t>(kv.slot(p)) * kv.k_row_bytes, kd.data() + static_cast<size_t>(p) * kw, kw);
-    cpu::kv_dequantize_row(c.v, vb.data() + static_cast<size_t>(kv.slot(p)) * kv.v_row_bytes, vd.data() + static_cast<size_t>(p) * kw, kw);
+    cpu::kv_dequantize_row(c.k, kb.data() + static_cast<size_t>(kv.slot(p)) * kv.k_row_bytes, kd.data() + static_cast<size_t>(p) * kw, kw,
+                           kv.tq_block_k);
+    cpu::kv_dequantize_row(c.v, vb.data() + static_cast<size_t>(kv.slot(p)) * kv.v_row_bytes, vd.data() + static_cast<size_t>(p) * kw, kw,
+                           kv.tq_block_v);
     if (kv.rot_k) cpu::hadamard_blocks(kd.data() + static_cast<size_t>(p) * kw, kw, kv.rot_k);
     if (kv.rot_v) cpu::hadamard_blocks(vd.data() + static_cast<size_t>(p) * kw, kw, kv.rot_v);
   }
   // Q is rounded to K's dot format (f16, or q8_0 for the 4/8-bit caches; f32 in the tiled numerics)
   // and an f16 V accumulates in f16 (one rounding per key: a looser bound).
-  const bool tiled = c.k == DType::F16 && c.v == DType::F16 && c.n_tokens >= 64;
+  const bool ref_tiled = c.k == DType::F16 && c.v == DType::F16 && c.n_tokens >= 64;
+  const bool tiled = ref_tiled || kv_type_is_tq(c.k);  // (tq K is decoded to f32: Q stays f32)
   std::vector<float> qr = q;
   const DType qt = tiled ? DType::F32 : quant::kernels_for(c.k).act_type;
   if (qt != DType::F32) {
@@ -214,7 +218,7 @@ TEST_P(FlashAttention, MatchesScalarAttentionOverTheSameCache) {
   }
   std::vector<float> want(out.size());
   scalar_attention(c, qr, kd, vd, scale, want);
-  const double tol = c.v == DType::F16 && !tiled ? 1e-2 : 2e-5;
+  const double tol = c.v == DType::F16 && !ref_tiled ? 1e-2 : 2e-5;
   double worst = 0;
   for (size_t i = 0; i < out.size(); ++i) worst = std::max(worst, std::fabs(static_cast<double>(out[i]) - want[i]));
   EXPECT_LE(worst, tol) << dtype_name(c.k) << "/" << dtype_name(c.v);
@@ -230,7 +234,11 @@ INSTANTIATE_TEST_SUITE_P(
                       AttnCase{DType::Q8_0, DType::Q8_0, 8, 2, 128, 37, 9, 0, false, true},  // rotated
                       AttnCase{DType::Q4_0, DType::Q4_0, 4, 2, 64, 37, 5, 0, false, true},
                       AttnCase{DType::Q4_0, DType::F16, 4, 4, 32, 20, 3, 0, false, false},
-                      AttnCase{DType::Q8_0, DType::Q4_0, 4, 2, 64, 600, 2, 16, true, false}));  // window over a ring
+                      AttnCase{DType::Q8_0, DType::Q4_0, 4, 2, 64, 600, 2, 16, true, false},  // window over a ring
+                      AttnCase{DType::TQ3, DType::TQ3, 8, 2, 128, 37, 5, 0, false, false},
+                      AttnCase{DType::TQ4, DType::TQ2, 4, 2, 64, 300, 3, 0, false, false},
+                      AttnCase{DType::TQ3, DType::F16, 4, 4, 32, 20, 3, 0, false, false},
+                      AttnCase{DType::TQ4, DType::TQ4, 4, 2, 256, 40, 2, 24, true, false}));  // heads of 256: two blocks
 
 // ---- the models against the reference's flash-attention logits --------------------------------
 

@@ -28,9 +28,13 @@ constexpr DTypeInfo kTypes[] = {
     {DType::IQ4_NL, "iq4_nl", 32, 18, true, DType::Q8_0},
     {DType::IQ4_XS, "iq4_xs", 256, 136, true, DType::Q8_K},
     {DType::BF16, "bf16", 1, 2, true, DType::BF16},
+    // (Geometry of a 128-value block; a KV row of narrower heads uses blocks of its head: kv_row_bytes.)
+    {DType::TQ4, "tq4", 128, 66, false, DType::F32},
+    {DType::TQ3, "tq3", 128, 50, false, DType::F32},
+    {DType::TQ2, "tq2", 128, 34, false, DType::F32},
 };
 
-constexpr uint32_t kMaxId = 31;
+constexpr uint32_t kMaxId = 203;
 
 // Lookup by numeric id; built once from kTypes.
 const std::array<const DTypeInfo*, kMaxId>& by_id() {

@@ -332,14 +332,16 @@ void attention_flash(ThreadPool& pool, const float* q, int64_t ld_q, const KvVie
                      int n_head, int n_head_kv, int head_dim, int head_dim_v, float scale, float* out,
                      int64_t ld_out, Scratch& scratch, size_t slot, int window) {
   const int group = n_head / n_head_kv;
-  // The reference's tiled kernel (f16 K and V, a batch of at least 64 queries) computes in f32.
-  const bool tiled = kv.type == DType::F16 && kv.v_type == DType::F16 && n_tokens >= 64;
+  // The reference's tiled kernel (f16 K and V, a batch of at least 64 queries) computes in f32; tq K
+  // is decoded to f32 as well (a reference path: no kernel reads tq blocks directly yet).
+  const bool ref_tiled = kv.type == DType::F16 && kv.v_type == DType::F16 && n_tokens >= 64;
+  const bool tiled = ref_tiled || kv_type_is_tq(kv.type);
   const DType k_dot = tiled ? DType::F32 : kv.type;  // the type the scores' product reads K as
   const auto& kern = quant::kernels_for(k_dot);
   const DType q_type = kern.act_type;
   auto to_q = quant::quantize_act_fn(q_type);
-  const bool f16_acc = !tiled && kv.v_type == DType::F16;  // V accumulated in f16, rounded at every key
-  const size_t k_head_bytes = row_bytes(kv.type, head_dim), v_head_bytes = row_bytes(kv.v_type, head_dim_v);
+  const bool f16_acc = !ref_tiled && kv.v_type == DType::F16;  // V accumulated in f16, rounded at every key
+  const size_t k_head_bytes = kv_row_bytes(kv.type, head_dim), v_head_bytes = kv_row_bytes(kv.v_type, head_dim_v);
   const size_t q_bytes = row_bytes(q_type, head_dim);
   const int want_items = pool.size() * 2;
   int tok_block = std::max(1, (n_tokens * n_head_kv + want_items - 1) / want_items);
@@ -394,7 +396,7 @@ void attention_flash(ThreadPool& pool, const float* q, int64_t ld_q, const KvVie
           if (tiled) {
             for (int j = 0; j < run; ++j)
               kv_dequantize_row(kv.type, kg + static_cast<size_t>(s0 + j) * kv.k_row_bytes, k32 + static_cast<size_t>(j) * head_dim,
-                                head_dim);
+                                head_dim, kv.tq_block_k);
             kern.matmul_tile(head_dim, k32, head_dim * sizeof(float), run, qc, q_bytes, cols, sc + j0, kKeyChunk);
           } else {
             kern.matmul_tile(head_dim, kg + static_cast<size_t>(s0) * kv.k_row_bytes, kv.k_row_bytes, run, qc, q_bytes,
@@ -405,7 +407,7 @@ void attention_flash(ThreadPool& pool, const float* q, int64_t ld_q, const KvVie
         if (!f16_acc)
           for (int j = 0; j < nk; ++j)
             kv_dequantize_row(kv.v_type, vg + static_cast<size_t>(kv.slot(p0 + j)) * kv.v_row_bytes,
-                              v32 + static_cast<size_t>(j) * head_dim_v, head_dim_v);
+                              v32 + static_cast<size_t>(j) * head_dim_v, head_dim_v, kv.tq_block_v);
         for (int c = 0; c < cols; ++c) {
           const int p = pos0 + t0 + c / group;  // the query's position: keys p - window + 1 .. p
           const int first = window > 0 ? std::max(p0, p - window + 1) : p0;
@@ -499,13 +501,13 @@ void kv_store(const KvView& kv, int pos0, int n_tokens, const float* k, int64_t 
       hadamard_blocks(rot.data(), k_width, kv.rot_k);
       kr = rot.data();
     }
-    kv_quantize_row(kv.type, kr, kv.k + s * kv.k_row_bytes, k_width);
+    kv_quantize_row(kv.type, kr, kv.k + s * kv.k_row_bytes, k_width, kv.tq_block_k);
     if (kv.rot_v > 0) {
       std::memcpy(rot.data(), vr, sizeof(float) * v_width);
       hadamard_blocks(rot.data(), v_width, kv.rot_v);
       vr = rot.data();
     }
-    kv_quantize_row(kv.v_type, vr, kv.v + s * kv.v_row_bytes, v_width);
+    kv_quantize_row(kv.v_type, vr, kv.v + s * kv.v_row_bytes, v_width, kv.tq_block_v);
   }
 }
 
@@ -533,10 +535,12 @@ KvCache::KvCache(const std::vector<LayerSpec>& specs, int n_ctx, const KvCacheTy
     v.n_ctx = static_cast<int>(a.kv_positions(n_ctx));
     v.ring = a.window > 0;
     if (v.ring && v.n_ctx < n_ctx) window_ = std::max(window_, a.window);
-    v.k_row_bytes = static_cast<int64_t>(a.n_head_kv) * static_cast<int64_t>(row_bytes(type.k, a.head_dim));
+    v.k_row_bytes = static_cast<int64_t>(a.n_head_kv) * static_cast<int64_t>(kv_row_bytes(type.k, a.head_dim));
     v.flash = flash;
     v.v_type = flash ? type.v : type.k;
-    v.v_row_bytes = static_cast<int64_t>(a.n_head_kv) * static_cast<int64_t>(row_bytes(v.v_type, a.head_dim_v));
+    v.v_row_bytes = static_cast<int64_t>(a.n_head_kv) * static_cast<int64_t>(kv_row_bytes(v.v_type, a.head_dim_v));
+    v.tq_block_k = tq_block(a.head_dim);
+    v.tq_block_v = tq_block(a.head_dim_v);
     v.rot_k = flash ? rot.k : 0;
     v.rot_v = flash ? rot.v : 0;
     k_[l].assign(static_cast<size_t>(v.k_row_bytes) * v.n_ctx, 0);

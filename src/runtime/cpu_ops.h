@@ -101,6 +101,7 @@ struct KvView {
   DType v_type = DType::F16;
   int64_t v_row_bytes = 0;
   int rot_k = 0, rot_v = 0;  // Walsh-Hadamard block sizes (0: none)
+  int tq_block_k = 128, tq_block_v = 128;  // tq caches: values per block (runtime/kv_cache.h tq_block)
   int slot(int pos) const { return ring ? pos % n_ctx : pos; }
   DType value_type() const { return flash ? v_type : type; }
 };

@@ -5,13 +5,14 @@
 #include <cstring>
 
 #include "quant/kernels.h"
+#include "quant/turboquant.h"
 #include "runtime/error.h"
 
 namespace fitmoe {
 
 namespace {
 
-constexpr DType kKvTypes[] = {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0};
+constexpr DType kKvTypes[] = {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::TQ4, DType::TQ3, DType::TQ2};
 
 bool stored(DType t) { return std::find(std::begin(kKvTypes), std::end(kKvTypes), t) != std::end(kKvTypes); }
 
@@ -39,7 +40,9 @@ int largest_pow2_divisor(int n) { return n & -n; }
 
 }  // namespace
 
-bool KvCacheType::quantized() const { return kv_type_is_quantized(k) || kv_type_is_quantized(v); }
+bool KvCacheType::quantized() const {
+  return kv_type_is_quantized(k) || kv_type_is_quantized(v) || kv_type_is_tq(k) || kv_type_is_tq(v);
+}
 
 bool KvCacheType::flash_on() const {
   return flash == FlashAttn::On || (flash == FlashAttn::Auto && (quantized() || k != v));
@@ -58,9 +61,18 @@ bool kv_type_from_name(const std::string& name, DType* out) {
   return true;
 }
 
-const char* kv_type_names() { return "f32, f16, bf16, q8_0, q4_0"; }
+const char* kv_type_names() { return "f32, f16, bf16, q8_0, q4_0, tq4, tq3, tq2"; }
 
 bool kv_type_is_quantized(DType t) { return t == DType::Q8_0 || t == DType::Q4_0; }
+bool kv_type_is_tq(DType t) { return t == DType::TQ4 || t == DType::TQ3 || t == DType::TQ2; }
+int tq_bits(DType t) { return t == DType::TQ4 ? 4 : t == DType::TQ3 ? 3 : 2; }
+int tq_block(int head_dim) { return std::min(128, largest_pow2_divisor(head_dim)); }
+
+uint64_t kv_row_bytes(DType t, int head_dim) {
+  if (!kv_type_is_tq(t)) return row_bytes(t, head_dim);
+  const int b = tq_block(head_dim);
+  return static_cast<uint64_t>(head_dim / b) * tq::block_bytes(b, tq_bits(t));
+}
 
 FlashAttn flash_attn_from_name(const std::string& s) {
   if (s == "on" || s == "1" || s == "true") return FlashAttn::On;
@@ -79,7 +91,7 @@ void check_kv_cache_type(const KvCacheType& t, const std::vector<int>& head_dims
   if (t.flash == FlashAttn::Off && t.k != t.v)
     throw Error("K and V caches of different types (" + t.name() + ") need flash attention (-fa on or auto)");
   auto check_dims = [](DType type, const std::vector<int>& dims, const char* which) {
-    const int bs = dtype_info(type).block_size;
+    const int bs = kv_type_is_tq(type) ? 32 : dtype_info(type).block_size;  // (tq: a power of two of at least 32)
     for (const int d : dims)
       if (d % bs != 0)
         throw Error(std::string(which) + " cache type " + dtype_name(type) + " stores blocks of " + std::to_string(bs) +
@@ -116,7 +128,12 @@ void hadamard_blocks(float* x, int64_t count, int n) {
   }
 }
 
-void kv_quantize_row(DType t, const float* x, uint8_t* dst, int64_t n) {
+void kv_quantize_row(DType t, const float* x, uint8_t* dst, int64_t n, int tq_block) {
+  if (kv_type_is_tq(t)) {
+    const size_t bb = tq::block_bytes(tq_block, tq_bits(t));
+    for (int64_t i = 0; i < n; i += tq_block, dst += bb) tq::encode_block(x + i, tq_block, tq_bits(t), dst);
+    return;
+  }
   switch (t) {
     case DType::Q4_0: quantize_q4_0(x, dst, n); return;
     case DType::Q8_0:
@@ -127,7 +144,14 @@ void kv_quantize_row(DType t, const float* x, uint8_t* dst, int64_t n) {
   }
 }
 
-void kv_dequantize_row(DType t, const uint8_t* src, float* dst, int64_t n) { quant::dequantize_row_ref(t, src, dst, n); }
+void kv_dequantize_row(DType t, const uint8_t* src, float* dst, int64_t n, int tq_block) {
+  if (kv_type_is_tq(t)) {
+    const size_t bb = tq::block_bytes(tq_block, tq_bits(t));
+    for (int64_t i = 0; i < n; i += tq_block, src += bb) tq::decode_block(src, tq_block, tq_bits(t), dst + i);
+    return;
+  }
+  quant::dequantize_row_ref(t, src, dst, n);
+}
 
 }  // namespace cpu
 

@@ -30,15 +30,20 @@ struct KvCacheType {
   bool operator==(const KvCacheType& o) const { return k == o.k && v == o.v && flash == o.flash; }
 };
 
-// The cache types fitmoe stores: f32, f16, bf16, q8_0, q4_0.
+// The cache types fitmoe stores: f32, f16, bf16, q8_0, q4_0, and the rotated low-bit tq4, tq3, tq2
+// (quant/turboquant.h: blocks of a head's width up to 128 values, so heads of 32..512 waste nothing).
 bool kv_type_from_name(const std::string& name, DType* out);
-const char* kv_type_names();  // "f32, f16, bf16, q8_0, q4_0" (for messages and --help)
-bool kv_type_is_quantized(DType t);
+const char* kv_type_names();  // "f32, f16, bf16, q8_0, q4_0, tq4, tq3, tq2" (for messages and --help)
+bool kv_type_is_quantized(DType t);  // q8_0, q4_0 (the reference's quantized cache types)
+bool kv_type_is_tq(DType t);         // tq4, tq3, tq2
+int tq_bits(DType t);
+// The tq block for heads of `head_dim` values: the largest power of two dividing it, at most 128.
+int tq_block(int head_dim);
 // Throws Error naming the problem: a type fitmoe does not store, a quantized type with flash
 // attention off, or a head width that is not a whole number of the type's blocks.
 void check_kv_cache_type(const KvCacheType& t, const std::vector<int>& head_dims_k, const std::vector<int>& head_dims_v);
-// Bytes of n values of type t (n a multiple of its block).
-inline uint64_t kv_row_bytes(DType t, int64_t n) { return row_bytes(t, n); }
+// Bytes of one head's row of head_dim values of type t.
+uint64_t kv_row_bytes(DType t, int head_dim);
 // -fa's values: on|off|auto (and 1|0|true|false as the reference accepts).
 FlashAttn flash_attn_from_name(const std::string& s);
 
@@ -57,9 +62,10 @@ namespace cpu {
 // CPU computes it this way (the scale first, then the butterflies), so the bits agree.
 void hadamard_blocks(float* x, int64_t count, int n);
 // One row of n values into / out of the cache type (f32, f16, bf16: rounding; q8_0 as the
-// reference's x86 quantizer for activations, q4_0 as its quantize_row_q4_0_ref).
-void kv_quantize_row(DType t, const float* x, uint8_t* dst, int64_t n);
-void kv_dequantize_row(DType t, const uint8_t* src, float* dst, int64_t n);
+// reference's x86 quantizer for activations, q4_0 as its quantize_row_q4_0_ref; tq in blocks of
+// tq_block values, decoded back to the unrotated values).
+void kv_quantize_row(DType t, const float* x, uint8_t* dst, int64_t n, int tq_block = 128);
+void kv_dequantize_row(DType t, const uint8_t* src, float* dst, int64_t n, int tq_block = 128);
 }  // namespace cpu
 
 }  // namespace fitmoe
