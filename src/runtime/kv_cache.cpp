@@ -131,7 +131,7 @@ void hadamard_blocks(float* x, int64_t count, int n) {
 void kv_quantize_row(DType t, const float* x, uint8_t* dst, int64_t n, int tq_block) {
   if (kv_type_is_tq(t)) {
     const size_t bb = tq::block_bytes(tq_block, tq_bits(t));
-    for (int64_t i = 0; i < n; i += tq_block, dst += bb) tq::encode_block(x + i, tq_block, tq_bits(t), dst);
+    for (int64_t i = 0; i < n; i += tq_block, dst += bb) tq::encode_block(x + i, tq_block, tq_bits(t), dst, tq::Scale::LeastSquares);
     return;
   }
   switch (t) {
