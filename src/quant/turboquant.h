@@ -16,8 +16,9 @@
 // bytes of 2 low bits + n/8 bytes of high bits; tq2 = f16 scale + n/4 bytes of 2-bit codes. Codes are
 // little-endian within a byte (value i of a group in bits [b*i, b*i + b)).
 //
-// This file is the codec's definition (a plain scalar reference): the cache layouts and kernels that
-// use it are to come (issue 21).
+// This file is the codec's definition (a plain scalar reference); the CPU's tq caches
+// (runtime/kv_cache.h) code with the least-squares scale, which gave the lower KL divergence on the
+// fixtures (docs/kv-cache.md). Kernels that read the blocks directly are to come (issue 21).
 #pragma once
 #include <cstddef>
 #include <cstdint>
