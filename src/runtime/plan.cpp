@@ -654,7 +654,7 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
   // and the CPU's activations for a 512-token batch, against what the machine has available.
   p.host_weight_copy = p.use_gpu || !opt.use_mmap ? file.data_bytes() : 0;
   p.host_kv = p.use_gpu ? 0 : kv_cache_bytes(cfg, opt.n_ctx, opt.kv);
-  for (DType t : {DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0})
+  for (DType t : {DType::F16, DType::Q8_0, DType::Q4_0, DType::TQ4, DType::TQ3, DType::TQ2})
     p.kv_by_type.emplace_back(t, kv_cache_bytes(cfg, opt.n_ctx, KvCacheType{t, t}));
   {
     const uint64_t ff = static_cast<uint64_t>(std::max<int64_t>({cfg.n_ff_exp, cfg.n_ff, 1})) * std::max(1, cfg.n_expert_used);
