@@ -110,18 +110,6 @@ const std::vector<float>& signs(int n, int which) {
   return v;
 }
 
-void fwht(float* x, int n) {
-  const float s = 1.0f / std::sqrt(static_cast<float>(n));
-  for (int i = 0; i < n; ++i) x[i] *= s;
-  for (int len = 1; len < n; len <<= 1)
-    for (int i = 0; i < n; i += 2 * len)
-      for (int j = i; j < i + len; ++j) {
-        const float a = x[j], b = x[j + len];
-        x[j] = a + b;
-        x[j + len] = a - b;
-      }
-}
-
 void put_codes(const std::vector<int>& idx, int n, int bits, uint8_t* d) {
   if (bits == 4) {
     for (int i = 0; i < n / 2; ++i) d[i] = static_cast<uint8_t>(idx[2 * i] | (idx[2 * i + 1] << 4));
@@ -149,20 +137,32 @@ int get_code(const uint8_t* d, int n, int bits, int i) {
 
 }  // namespace
 
+void walsh_hadamard(float* x, int n) {
+  const float s = 1.0f / std::sqrt(static_cast<float>(n));
+  for (int i = 0; i < n; ++i) x[i] *= s;
+  for (int len = 1; len < n; len <<= 1)
+    for (int i = 0; i < n; i += 2 * len)
+      for (int j = i; j < i + len; ++j) {
+        const float a = x[j], b = x[j + len];
+        x[j] = a + b;
+        x[j + len] = a - b;
+      }
+}
+
 const std::vector<float>& lloyd_max_codebook(int n, int bits) { return cached(n, bits).centroids; }
 double lloyd_max_dmse(int n, int bits) { return cached(n, bits).dmse; }
 
 void rotate(float* x, int n) {
   const auto &s1 = signs(n, 1), &s2 = signs(n, 2);
   for (int i = 0; i < n; ++i) x[i] *= s1[i];
-  fwht(x, n);
+  walsh_hadamard(x, n);
   for (int i = 0; i < n; ++i) x[i] *= s2[i];
 }
 
 void unrotate(float* x, int n) {
   const auto &s1 = signs(n, 1), &s2 = signs(n, 2);
   for (int i = 0; i < n; ++i) x[i] *= s2[i];
-  fwht(x, n);
+  walsh_hadamard(x, n);
   for (int i = 0; i < n; ++i) x[i] *= s1[i];
 }
 

@@ -36,6 +36,11 @@ const std::vector<float>& lloyd_max_codebook(int n, int bits);
 // The expected squared error per coordinate of that quantizer times n (the "d * MSE" figure).
 double lloyd_max_dmse(int n, int bits);
 
+// x := H x / sqrt(n) in place, n a power of two: the orthonormal Walsh-Hadamard transform (Sylvester
+// order), computed as the reference's CPU does (the scale first, then the butterflies), so the bits
+// agree. Its own inverse. Also the reference's rotation of q8_0 / q4_0 caches (runtime/kv_cache.h).
+void walsh_hadamard(float* x, int n);
+
 // The randomized Hadamard transform of one block in place, and its inverse (the fixed sign vectors
 // depend only on n).
 void rotate(float* x, int n);

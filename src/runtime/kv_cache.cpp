@@ -114,18 +114,7 @@ KvRotation kv_rotation(const KvCacheType& t, const std::vector<int>& head_dims_k
 namespace cpu {
 
 void hadamard_blocks(float* x, int64_t count, int n) {
-  const float s = 1.0f / std::sqrt(static_cast<float>(n));
-  for (int64_t b = 0; b + n <= count; b += n) {
-    float* v = x + b;
-    for (int i = 0; i < n; ++i) v[i] *= s;
-    for (int len = 1; len < n; len <<= 1)
-      for (int i = 0; i < n; i += 2 * len)
-        for (int j = i; j < i + len; ++j) {
-          const float a = v[j], c = v[j + len];
-          v[j] = a + c;
-          v[j + len] = a - c;
-        }
-  }
+  for (int64_t b = 0; b + n <= count; b += n) tq::walsh_hadamard(x + b, n);
 }
 
 void kv_quantize_row(DType t, const float* x, uint8_t* dst, int64_t n, int tq_block) {

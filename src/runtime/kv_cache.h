@@ -58,8 +58,7 @@ struct KvRotation {
 KvRotation kv_rotation(const KvCacheType& t, const std::vector<int>& head_dims_k, const std::vector<int>& head_dims_v);
 
 namespace cpu {
-// x := H x / sqrt(n) for each block of n values of x[0 .. count): n a power of two; the reference's
-// CPU computes it this way (the scale first, then the butterflies), so the bits agree.
+// x := H x / sqrt(n) for each block of n values of x[0 .. count) (tq::walsh_hadamard).
 void hadamard_blocks(float* x, int64_t count, int n);
 // One row of n values into / out of the cache type (f32, f16, bf16: rounding; q8_0 as the
 // reference's x86 quantizer for activations, q4_0 as its quantize_row_q4_0_ref; tq in blocks of
