@@ -484,6 +484,7 @@ void kv_store(const KvView& kv, int pos0, int n_tokens, const float* k, int64_t 
               int64_t ld_v, int k_width, int v_width) {
   // Rotated caches (flash attention only) rotate a copy of each row before it is stored.
   std::vector<float> rot(kv.rot_k > 0 || kv.rot_v > 0 ? std::max(k_width, v_width) : 0);
+  std::vector<uint8_t> vrow;
   for (int t = 0; t < n_tokens; ++t) {
     const int s = kv.slot(pos0 + t);
     const float* kr = k + t * ld_k;
@@ -492,8 +493,11 @@ void kv_store(const KvView& kv, int pos0, int n_tokens, const float* k, int64_t 
       const size_t es = elem_bytes(kv.type);
       uint8_t* krow = kv.k + s * kv.k_row_bytes;
       kv_quantize_row(kv.type, kr, krow, k_width);
+      // V transposed: the row converted once, then each value's bytes to its column.
+      vrow.resize(static_cast<size_t>(v_width) * es);
+      kv_quantize_row(kv.type, vr, vrow.data(), v_width);
       for (int i = 0; i < v_width; ++i)
-        kv_quantize_row(kv.type, vr + i, kv.v + (static_cast<size_t>(i) * kv.n_ctx + s) * es, 1);
+        std::memcpy(kv.v + (static_cast<size_t>(i) * kv.n_ctx + s) * es, vrow.data() + static_cast<size_t>(i) * es, es);
       continue;
     }
     if (kv.rot_k > 0) {
