@@ -2,7 +2,7 @@
 # The one script for the GPU machine (device tool): runs the tests there, then the benchmarks, and
 # prints a short table last. Binaries come prebuilt from the dev machine (scripts/device-prepare.sh puts
 # them and the test fixtures into git-ignored folders that the run carries).
-#   scripts/device-run.sh [MODE...]   MODE: all (default) tests cpu gpu gputests gpubench profile skip ab sync ncu
+#   scripts/device-run.sh [MODE...]   MODE: all (default) tests cpu gpu gputests gpubench kv profile skip ab sync ncu
 #                                     ncu-detail ncu-source nsys toggles hybrid predict; several in one call run in this file's order
 #   (SKIP_CONFIGS names GPU configs to skip)
 # profile: where a decode step's GPU time goes, per op (FITMOE_PROFILE=1), all on the GPU and at 8 GiB.
@@ -314,6 +314,29 @@ for r in rows:
 PY
 )
   done
+fi
+
+# kv: the KV cache types at depth (issue 21): the Qwen3-30B-A3B shape all on the GPU at depth 32k
+# (f16, q8_0, tq3 caches: decode and pp2048), and the Qwen3.6-35B-A3B shape at --vram 8G with a 128k
+# context (the plan's automatic choice) at depth 0 and 128k. KV_DEPTH overrides the 32k.
+if want kv; then
+  [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 1
+  D=${KV_DEPTH:-32768}
+  for t in f16 q8_0 tq3 tq4; do
+    echo "== kv: 30B-A3B all on the GPU, -ctk $t -ctv $t, depth $D"
+    "$BIN/fitmoe" bench -m "$MODEL" -ctk $t -ctv $t -d "$D" -p 2048 -n 64 -r 2 2>"$OUT/kv-$t.err" | grep '^|' | tail -n 2 | tee -a "$OUT/kv.md"
+    grep -iE 'error|plan:' "$OUT/kv-$t.err" | head -n 3
+    while read -r l; do summary+=("kv 30B $t d$D $l"); done < <(tail -n 2 "$OUT/kv.md")
+  done
+  if [ -z "${KV_SKIP_35B:-}" ]; then
+    M35=/tmp/fitmoe-qwen35moe-35b-a3b-q4_k_m.gguf
+    [ -f "$M35" ] || "$BIN/fitmoe" gen-model --arch qwen35moe --preset 35b-a3b --type q4_k_m -o "$M35" | tail -n 1
+    "$BIN/fitmoe" plan -m "$M35" --vram 8G --ctx 131072 2>&1 | grep -iE 'KV|experts on|budget' | head -n 8
+    echo "== kv: 35B-A3B --vram 8G (automatic cache type for the deepest test's context), depth 0 and ${KV_DEPTH35:-131072}"
+    "$BIN/fitmoe" bench -m "$M35" --vram 8G -d 0,${KV_DEPTH35:-131072} -p 0 -n 64 -r 1 2>"$OUT/kv-35b.err" | grep '^|' | tee -a "$OUT/kv.md"
+    grep -iE 'error|KV cache type' "$OUT/kv-35b.err" | head -n 3
+    while read -r l; do summary+=("kv 35B 8G $l"); done < <(tail -n 2 "$OUT/kv.md")
+  fi
 fi
 
 echo "== summary"

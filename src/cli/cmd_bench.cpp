@@ -283,12 +283,14 @@ void register_bench(CLI::App& app) {
     check_args(*a);
     if (a->batch_opt->count()) a->model.batch = a->batch;
     const std::string format = a->json ? "json" : a->output;
-    auto model = load_model(a->model);
-    const auto& cfg = model->config();
     int max_ctx = 16, max_depth = 0;
     for (int d : a->depth) max_depth = std::max(max_depth, d);
     for (int p : a->prompt) max_ctx = std::max(max_ctx, max_depth + p + 1);
     for (int g : a->gen) max_ctx = std::max(max_ctx, max_depth + g + 1);
+    // The plan's context is what the deepest test holds (its KV cache, and the automatic cache type).
+    a->model.ctx = max_ctx;
+    auto model = load_model(a->model);
+    const auto& cfg = model->config();
     const std::vector<int> thread_counts = a->threads.empty() ? std::vector<int>{0} : a->threads;
     const double bpt = model->bytes_per_token();
     const Plan& plan = model->plan();
@@ -450,9 +452,10 @@ void register_bench(CLI::App& app) {
         o["n_batch"] = n_batch;
         o["n_ubatch"] = model->on_gpu() ? plan.options.n_ubatch : n_batch;  // the CPU runs a ppN as one pass
         o["n_threads"] = r.n_threads;
-        o["type_k"] = a->model.cache_type_k;
-        o["type_v"] = a->model.cache_type_v;
-        o["flash_attn"] = kv_cache_type(a->model).flash_on();
+        const KvCacheType kv = plan.options.kv;  // (the plan resolves -ctk / -ctv auto)
+        o["type_k"] = dtype_name(kv.k);
+        o["type_v"] = dtype_name(kv.v);
+        o["flash_attn"] = kv.flash_on();
         // Every layer (and the output head) runs on the GPU when there is one; the plan decides
         // where the experts live, which n_cpu_moe and the plan line say.
         o["n_gpu_layers"] = model->on_gpu() ? cfg.n_layer + 1 : 0;

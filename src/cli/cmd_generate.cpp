@@ -172,7 +172,7 @@ void register_logits(CLI::App& app) {
       qwen35_forward_hidden(*model, s.state(), s.pool(), tokens, n, logits.data(), hidden.data() + E);
       StateOptions mo;
       mo.n_ctx = so.n_ctx;
-      mo.kv = so.kv;
+      mo.kv = so.kv.automatic ? model->plan().options.kv : so.kv;
       auto mst = qwen35_new_mtp_state(*model, mo);
       std::vector<float> mtp(static_cast<size_t>(n) * V);
       qwen35_mtp_forward(*model, *mst, s.pool(), tokens, hidden.data(), mtp.data(), nullptr);

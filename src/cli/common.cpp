@@ -122,13 +122,15 @@ void add_model_options(CLI::App& app, ModelOptions& o, bool with_ctx) {
   auto kv_type_check = CLI::Validator(
       [](std::string& s) {
         DType t;
-        return kv_type_from_name(s, &t) ? std::string() : "'" + s + "' is not a KV cache type (" + kv_type_names() + ")";
+        return s == "auto" || kv_type_from_name(s, &t)
+                   ? std::string()
+                   : "'" + s + "' is not a KV cache type (auto, " + kv_type_names() + ")";
       },
       "TYPE");
-  app.add_option("--cache-type-k", o.cache_type_k, std::string("K cache type (-ctk): ") + kv_type_names())
+  app.add_option("--cache-type-k", o.cache_type_k, std::string("K cache type (-ctk): auto (the plan chooses, and says why), ") + kv_type_names())
       ->check(kv_type_check)
       ->capture_default_str();
-  app.add_option("--cache-type-v", o.cache_type_v, std::string("V cache type (-ctv): ") + kv_type_names())
+  app.add_option("--cache-type-v", o.cache_type_v, std::string("V cache type (-ctv): auto, ") + kv_type_names())
       ->check(kv_type_check)
       ->capture_default_str();
   app.add_option("--flash-attn", o.flash_attn,
@@ -149,8 +151,12 @@ void add_model_options(CLI::App& app, ModelOptions& o, bool with_ctx) {
 
 KvCacheType kv_cache_type(const ModelOptions& o) {
   KvCacheType t;
-  if (!kv_type_from_name(o.cache_type_k, &t.k)) throw Error("-ctk: '" + o.cache_type_k + "' is not a KV cache type");
-  if (!kv_type_from_name(o.cache_type_v, &t.v)) throw Error("-ctv: '" + o.cache_type_v + "' is not a KV cache type");
+  // Both automatic: the plan chooses; one given: the other is f16, as the reference's default.
+  t.automatic = o.cache_type_k == "auto" && o.cache_type_v == "auto";
+  if (o.cache_type_k != "auto" && !kv_type_from_name(o.cache_type_k, &t.k))
+    throw Error("-ctk: '" + o.cache_type_k + "' is not a KV cache type");
+  if (o.cache_type_v != "auto" && !kv_type_from_name(o.cache_type_v, &t.v))
+    throw Error("-ctv: '" + o.cache_type_v + "' is not a KV cache type");
   // A bare -fa (the reference's older flag form) means on.
   t.flash = flash_attn_from_name(o.flash_attn.empty() ? "on" : o.flash_attn);
   return t;

@@ -19,7 +19,7 @@ struct ModelOptions {
   std::string model_path;
   int threads = 0;
   int ctx = 4096;
-  std::string cache_type_k = "f16", cache_type_v = "f16";  // -ctk / -ctv
+  std::string cache_type_k = "auto", cache_type_v = "auto";  // -ctk / -ctv
   std::string flash_attn = "auto";                          // -fa on|off|auto
   int batch = 0;  // 0: automatic (512; 2048 on the GPU when prefill streams host experts)
   bool mmap = false;

@@ -13,6 +13,7 @@
 // recurrence is latency-bound per token (two warp reductions on the chain); a chunked form would be
 // the next step for long prefills (about 1.5 ms per layer at 2048 tokens today).
 #include "cuda/deltanet.h"
+#include "cuda/flash_attention.h"
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -576,6 +577,12 @@ void gated_attn_prologue(const AttnSpec& a, int n_tokens, const float* qg, int64
                          const float* q_norm, const float* k_norm, const DevKv* kv, const int32_t* pos,
                          const RopeParams& rope, float eps, Stream s) {
   if (n_tokens <= 0) return;
+  if (kv && kv->flash) {  // k roped in place, then the flash store rotates and quantizes k and v
+    gated_attn_prologue(a, n_tokens, qg, ld_qg, q, ld_q, gate, ld_gate, k, ld_k, v, ld_v, q_norm, k_norm, nullptr, pos,
+                        rope, eps, s);
+    flash_kv_store(*kv, false, pos, n_tokens, k, ld_k, v, ld_v, a.n_head_kv, a.head_dim, a.head_dim_v, s);
+    return;
+  }
   if (n_tokens > 65535) dn_fail("gated_attn_prologue: too many tokens in one call");
   if (a.n_rot <= 0 || a.n_rot % 2 != 0 || a.n_rot > a.head_dim)
     dn_fail("gated_attn_prologue: bad n_rot " + std::to_string(a.n_rot));

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/flash_attention.h"
 #include "cuda/gemma4.h"
 #include "cuda/linear.h"
 #include "cuda/step_driver.h"
@@ -63,10 +64,12 @@ class Gemma4GpuState final : public gpu::GpuState {
  public:
   Gemma4GpuState(gpu::Engine& e, const StateOptions& opt, const gpu::WorkspaceShape& shape,
                  const std::vector<LayerSpec>& specs, const std::vector<LayerSpec>& no_kv)
-      : GpuState(e, opt, shape, &no_kv), e_(e), type_(gpu::gpu_kv_type(opt.kv)) {
-    const size_t es = type_ == DType::F16 ? 2 : 4;
+      : GpuState(e, opt, shape, &no_kv), e_(e) {
     const int L = static_cast<int>(specs.size());
-    kv_.assign(L, gpu::DevKv{type_, nullptr, nullptr, 0});
+    std::vector<int> dk, dv;
+    for (const LayerSpec& l : specs) dk.push_back(l.attn().head_dim), dv.push_back(l.attn().head_dim_v);
+    const KvRotation rot = gpu::check_gpu_kv_type(opt.kv, dk, dv);
+    kv_.assign(L, gpu::DevKv{opt.kv.k, nullptr, nullptr, 0});
     ring_.assign(L, false);
     int64_t qw = 1, kw = 1;
     for (int l = 0; l < L; ++l) {
@@ -77,16 +80,9 @@ class Gemma4GpuState final : public gpu::GpuState {
       const int cap = static_cast<int>(a.kv_positions(opt.n_ctx));
       ring_[l] = a.window > 0;
       if (ring_[l] && cap < opt.n_ctx) window_ = std::max(window_, a.window);
-      const size_t kb = static_cast<size_t>(cap) * a.n_head_kv * a.head_dim * es;
-      const size_t vb = static_cast<size_t>(cap) * a.n_head_kv * a.head_dim_v * es;
-      auto* k = static_cast<uint8_t*>(e.mem.alloc(kb, "KV cache"));
-      auto* v = static_cast<uint8_t*>(e.mem.alloc(vb, "KV cache"));
-      gpu::memset_async(k, 0, kb, e.stream);
-      gpu::memset_async(v, 0, vb, e.stream);
-      kv_[l] = {type_, k, v, cap};
-      owned_.push_back(k);
-      owned_.push_back(v);
-      kv_bytes_ += kb + vb;
+      kv_[l] = gpu::alloc_dev_kv(e.mem, opt.kv, rot, cap, a.n_head_kv, a.head_dim, a.head_dim_v, &kv_bytes_, e.stream);
+      owned_.push_back(kv_[l].k);
+      owned_.push_back(kv_[l].v);
     }
     for (int l = 0; l < L; ++l) {
       const AttnSpec& a = specs[l].attn();
@@ -143,7 +139,6 @@ class Gemma4GpuState final : public gpu::GpuState {
 
  private:
   gpu::Engine& e_;
-  DType type_;
   int window_ = 0;
   size_t kv_bytes_ = 0;
   std::vector<gpu::DevKv> kv_;
@@ -401,11 +396,19 @@ class Gemma4Gpu final : public GpuRunner, private gpu::LayerProgram {
       gpu::rms_norm(S.k, G.k_norm, S.k, hd, nt * a.n_head_kv, eps, hd, hd, stream);
       gpu::rms_norm(S.v, nullptr, S.v, hd, nt * a.n_head_kv, eps, hd, hd, stream);
       gpu::gemma4_rope(S.k, nt, a.n_head_kv, hd, kw, a.n_rot, ws.pos, rope, ff, stream);
-      gpu::gemma4_kv_store(kv, S.ring(l), ws.pos, nt, S.k, kw, S.v, kw, a.n_head_kv, hd, stream);
+      if (kv.flash)
+        gpu::flash_kv_store(kv, S.ring(l), ws.pos, nt, S.k, kw, S.v, kw, a.n_head_kv, hd, hd, stream);
+      else
+        gpu::gemma4_kv_store(kv, S.ring(l), ws.pos, nt, S.k, kw, S.v, kw, a.n_head_kv, hd, stream);
     }
     e_.prof.mark(a.window > 0 ? "q/k/v, norms, rope, store (sliding)" : "q/k/v, norms, rope, store (global)", stream);
-    gpu::gemma4_attention(S.q, qw, kv, S.ring(l), ws.pos, nt, a.n_head, a.n_head_kv, hd, a.scale, a.window, S.att, qw,
-                          stream);
+    if (kv.flash)  // (the most keys a query sees: the window, or the cache's capacity, as gemma4_attention)
+      gpu::flash_attention(S.q, qw, kv, S.ring(l), a.window, ws.pos, nt,
+                           a.window > 0 ? std::min(a.window, kv.n_ctx) : kv.n_ctx, a.n_head, a.n_head_kv, hd, hd,
+                           a.scale, S.att, qw, ws.attn_scratch, ws.attn_scratch_bytes, stream);
+    else
+      gpu::gemma4_attention(S.q, qw, kv, S.ring(l), ws.pos, nt, a.n_head, a.n_head_kv, hd, a.scale, a.window, S.att, qw,
+                            stream);
     e_.prof.mark(a.window > 0 ? "attention (sliding)" : "attention (global)", stream);
     gpu::linear(s, G.wo, S.att, nt, ws.y, c_.n_embd);
   }

@@ -13,6 +13,7 @@
 //   lanes with fma, folded in halves), so they are bit-identical to cpu::attention's; softmax uses
 //   CUDA's expf (<= 2 ulp, glibc's expf may differ in the last bit) and a double sum.
 #include "cuda/gpu_ops.h"
+#include "cuda/flash_attention.h"
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -1766,7 +1767,7 @@ __global__ void qk_norm_rope_store_kernel(float* q, int64_t ld_q, const float* _
                                           const float* __restrict__ v, int64_t ld_v, const float* __restrict__ q_norm,
                                           const float* __restrict__ k_norm, T* __restrict__ kc, T* __restrict__ vc,
                                           int n_ctx, const int32_t* __restrict__ pos, int n_head, int n_head_kv, int hd,
-                                          int hdv, int n_rot, RopeArgs rope, float eps) {
+                                          int hdv, int n_rot, RopeArgs rope, float eps, float* k_out) {
   extern __shared__ float sh[];  // [hd] normed head, [n_rot] cos / sin table
   __shared__ double part[32];
   const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;
@@ -1814,6 +1815,7 @@ __global__ void qk_norm_rope_store_kernel(float* q, int64_t ld_q, const float* _
       o = hv[i];
     }
     if (is_q) q[t * ld_q + static_cast<int64_t>(g) * hd + i] = o;
+    else if (k_out) k_out[t * ld_k + static_cast<int64_t>(g) * hd + i] = o;  // (flash caches: stored after)
     else kc[static_cast<int64_t>(p) * n_head_kv * hd + static_cast<int64_t>(g) * hd + i] = to_cache<T>(o);
   }
 }
@@ -3483,17 +3485,28 @@ void qk_norm_rope_store(float* q, int64_t ld_q, const float* k, int64_t ld_k, co
   if (n_tokens > 65535) fail("qk_norm_rope_store: too many tokens in one call");
   if (n_rot <= 0 || n_rot % 2 != 0 || n_rot > head_dim) fail("qk_norm_rope_store: bad n_rot " + std::to_string(n_rot));
   const RopeArgs rope = rope_args(rope_p, n_rot);  // as rope_neox
-  const dim3 grid(static_cast<unsigned>(n_head + 2 * n_head_kv), static_cast<unsigned>(n_tokens));
   const size_t smem = static_cast<size_t>(head_dim + n_rot) * sizeof(float);
   const cudaStream_t st = cs(s);
+  if (kv.flash) {
+    // k normed and roped in place (each CTA reads its head before it writes it), then the store
+    // rotates and quantizes both rows.
+    const dim3 grid(static_cast<unsigned>(n_head + n_head_kv), static_cast<unsigned>(n_tokens));
+    launch(qk_norm_rope_store_kernel<float>, grid, kNormThreads, smem, st, q, ld_q, k, ld_k, v, ld_v, q_norm, k_norm,
+           static_cast<float*>(nullptr), static_cast<float*>(nullptr), kv.n_ctx, pos, n_head, n_head_kv, head_dim,
+           head_dim_v, n_rot, rope, eps, const_cast<float*>(k));
+    launched("qk_norm_rope_store");
+    flash_kv_store(kv, false, pos, n_tokens, k, ld_k, v, ld_v, n_head_kv, head_dim, head_dim_v, s);
+    return;
+  }
+  const dim3 grid(static_cast<unsigned>(n_head + 2 * n_head_kv), static_cast<unsigned>(n_tokens));
   if (kv.type == DType::F16)
     launch(qk_norm_rope_store_kernel<__half>, grid, kNormThreads, smem, st,
         q, ld_q, k, ld_k, v, ld_v, q_norm, k_norm, reinterpret_cast<__half*>(kv.k), reinterpret_cast<__half*>(kv.v),
-        kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, rope, eps);
+        kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, rope, eps, static_cast<float*>(nullptr));
   else if (kv.type == DType::F32)
     launch(qk_norm_rope_store_kernel<float>, grid, kNormThreads, smem, st,
         q, ld_q, k, ld_k, v, ld_v, q_norm, k_norm, reinterpret_cast<float*>(kv.k), reinterpret_cast<float*>(kv.v),
-        kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, rope, eps);
+        kv.n_ctx, pos, n_head, n_head_kv, head_dim, head_dim_v, n_rot, rope, eps, static_cast<float*>(nullptr));
   else
     fail(std::string("qk_norm_rope_store: unsupported cache type ") + tname(kv.type));
   launched("qk_norm_rope_store");
@@ -3502,6 +3515,7 @@ void qk_norm_rope_store(float* q, int64_t ld_q, const float* k, int64_t ld_k, co
 void kv_store(const DevKv& kv, const int32_t* pos, int n_tokens, const float* k, int64_t ld_k, const float* v,
               int64_t ld_v, int n_head_kv, int head_dim, int head_dim_v, Stream s) {
   if (n_tokens <= 0) return;
+  if (kv.flash) return flash_kv_store(kv, false, pos, n_tokens, k, ld_k, v, ld_v, n_head_kv, head_dim, head_dim_v, s);
   if (n_tokens > 65535) fail("kv_store: too many tokens in one call");
   const cudaStream_t st = cs(s);
   const int kw = n_head_kv * head_dim, vw = n_head_kv * head_dim_v;
@@ -3534,6 +3548,12 @@ bool attention(const float* q, int64_t ld_q, const DevKv& kv, int pos0, const in
                int n_kv_max, int n_head, int n_head_kv, int head_dim, int head_dim_v, float scale, float* out,
                int64_t ld_out, void* scratch, size_t scratch_bytes, Stream s, void* out_q) {
   if (n_tokens <= 0) return false;
+  if (kv.flash) {
+    if (!pos_dev) fail("attention: a flash-attention cache needs the positions on the device");
+    flash_attention(q, ld_q, kv, false, 0, pos_dev, n_tokens, pos_dev == nullptr ? pos0 + n_tokens : n_kv_max, n_head,
+                    n_head_kv, head_dim, head_dim_v, scale, out, ld_out, scratch, scratch_bytes, s);
+    return false;
+  }
   if (n_head_kv <= 0 || n_head % n_head_kv != 0) fail("attention: n_head must be a multiple of n_head_kv");
   if (head_dim % 8 != 0 || head_dim > 256 || head_dim_v <= 0 || head_dim_v > 256)
     fail("attention: head sizes must be multiples of 8 up to 256 (K: " + std::to_string(head_dim) +

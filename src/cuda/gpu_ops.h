@@ -156,12 +156,18 @@ void matmul(const DevMatrix& w, int64_t mat, const float* x, int64_t ld_x, int n
 
 // ---- attention ------------------------------------------------------------------------------------
 // Cache of one layer, as cpu::KvView: K rows [pos][n_head_kv * head_dim], V transposed
-// [n_head_kv * head_dim_v][n_ctx], element type F16 or F32.
+// [n_head_kv * head_dim_v][n_ctx], element type F16 or F32; or, with flash set, K and V rows of any
+// cache type each (cuda/flash_attention.h), read only by flash_attention.
 struct DevKv {
-  DType type;
+  DType type;  // K's type (and V's without flash)
   uint8_t* k;
   uint8_t* v;
   int n_ctx;
+  bool flash = false;
+  DType v_type = DType::F16;
+  int64_t k_row_bytes = 0, v_row_bytes = 0;  // (flash) bytes per position, all heads
+  int rot_k = 0, rot_v = 0;                  // Walsh-Hadamard block sizes (0: none)
+  int tq_block_k = 128, tq_block_v = 128;    // tq caches: values per block
 };
 void kv_store(const DevKv& kv, const int32_t* pos, int n_tokens, const float* k, int64_t ld_k, const float* v,
               int64_t ld_v, int n_head_kv, int head_dim, int head_dim_v, Stream s);

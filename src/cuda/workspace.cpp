@@ -4,42 +4,62 @@
 #include <cstring>
 #include <string>
 
+#include "cuda/flash_attention.h"
 #include "runtime/error.h"
 
 namespace fitmoe::gpu {
 
-DType gpu_kv_type(const KvCacheType& t) {
-  if (t.k != t.v || (t.k != DType::F16 && t.k != DType::F32))
-    throw Error("KV cache " + t.name() + ": the GPU engine stores f16 or f32 caches only so far (K and V alike); run "
-                "with --gpu none for " + kv_type_names());
-  return t.k;
+KvRotation check_gpu_kv_type(const KvCacheType& t, const std::vector<int>& head_dims_k, const std::vector<int>& head_dims_v) {
+  check_kv_cache_type(t, head_dims_k, head_dims_v);
+  if (!t.flash_on() && t.k != DType::F16 && t.k != DType::F32)
+    throw Error("KV cache " + t.name() + ": without flash attention the GPU engine stores f16 or f32 caches (use -fa on)");
+  return kv_rotation(t, head_dims_k, head_dims_v);
 }
 
-KvCache::KvCache(DeviceMemory& mem, const ModelConfig& c, int n_ctx, DType kv_type, const std::vector<LayerSpec>* specs)
+DevKv alloc_dev_kv(DeviceMemory& mem, const KvCacheType& t, const KvRotation& rot, int n_pos, int n_head_kv,
+                   int head_dim, int head_dim_v, size_t* bytes, void* stream) {
+  DevKv kv{t.k, nullptr, nullptr, n_pos};
+  kv.flash = t.flash_on();
+  kv.v_type = kv.flash ? t.v : t.k;
+  kv.k_row_bytes = static_cast<int64_t>(n_head_kv) * static_cast<int64_t>(kv_row_bytes(kv.type, head_dim));
+  kv.v_row_bytes = static_cast<int64_t>(n_head_kv) * static_cast<int64_t>(kv_row_bytes(kv.v_type, head_dim_v));
+  kv.rot_k = kv.flash ? rot.k : 0;
+  kv.rot_v = kv.flash ? rot.v : 0;
+  kv.tq_block_k = tq_block(head_dim);
+  kv.tq_block_v = tq_block(head_dim_v);
+  const size_t kb = static_cast<size_t>(kv.k_row_bytes) * n_pos, vb = static_cast<size_t>(kv.v_row_bytes) * n_pos;
+  kv.k = static_cast<uint8_t*>(mem.alloc(kb, "KV cache"));
+  kv.v = static_cast<uint8_t*>(mem.alloc(vb, "KV cache"));
+  gpu::memset_async(kv.k, 0, kb, stream);
+  gpu::memset_async(kv.v, 0, vb, stream);
+  if (kv.flash) flash_init_tables();
+  *bytes += kb + vb;
+  return kv;
+}
+
+KvCache::KvCache(DeviceMemory& mem, const ModelConfig& c, int n_ctx, const KvCacheType& kv_type,
+                 const std::vector<LayerSpec>* specs)
     : type(kv_type), mem_(mem) {
-  if (type != DType::F16 && type != DType::F32)
-    throw Error(std::string("KV cache type ") + dtype_name(type) + " is not supported (use f16 or f32)");
-  const size_t es = type == DType::F16 ? 2 : 4;
-  k_bytes = static_cast<size_t>(n_ctx) * c.n_head_kv * c.head_dim * es;
-  v_bytes = static_cast<size_t>(n_ctx) * c.n_head_kv * c.head_dim_v * es;
+  std::vector<int> dk, dv;
+  if (specs) {
+    for (const LayerSpec& l : *specs)
+      if (l.is_attention()) dk.push_back(l.attn().head_dim), dv.push_back(l.attn().head_dim_v);
+  } else {
+    dk.assign(1, c.head_dim), dv.assign(1, c.head_dim_v);
+  }
+  const KvRotation rot = check_gpu_kv_type(type, dk, dv);
   const int n_layers = specs ? static_cast<int>(specs->size()) : c.n_layer;
   for (int l = 0; l < n_layers; ++l) {
-    size_t kb = k_bytes, vb = v_bytes;
+    int nkv = c.n_head_kv, hd = c.head_dim, hdv = c.head_dim_v;
     if (specs) {
       if (!(*specs)[l].is_attention()) {
-        layers.push_back({type, nullptr, nullptr, n_ctx});
+        layers.push_back({type.k, nullptr, nullptr, n_ctx});
         continue;
       }
       const AttnSpec& a = (*specs)[l].attn();
-      kb = static_cast<size_t>(n_ctx) * a.n_head_kv * a.head_dim * es;
-      vb = static_cast<size_t>(n_ctx) * a.n_head_kv * a.head_dim_v * es;
+      nkv = a.n_head_kv, hd = a.head_dim, hdv = a.head_dim_v;
     }
-    auto* k = static_cast<uint8_t*>(mem.alloc(kb, "KV cache"));
-    auto* v = static_cast<uint8_t*>(mem.alloc(vb, "KV cache"));
-    gpu::memset_async(k, 0, kb, nullptr);
-    gpu::memset_async(v, 0, vb, nullptr);
-    layers.push_back({type, k, v, n_ctx});
-    total_bytes += kb + vb;
+    layers.push_back(alloc_dev_kv(mem, type, rot, n_ctx, nkv, hd, hdv, &total_bytes, nullptr));
   }
   gpu::sync_stream(nullptr);  // the zeroing ran on the default stream; finish it before any use
 }
@@ -83,10 +103,11 @@ void DecodeGraphs::clear() {
 }
 
 GpuState::GpuState(Engine& e, const StateOptions& opt, const WorkspaceShape& shape, const std::vector<LayerSpec>* specs)
-    : kv(e.mem, e.c, opt.n_ctx, gpu_kv_type(opt.kv), specs), ws(&e.mem) {
+    : kv(e.mem, e.c, opt.n_ctx, opt.kv, specs), ws(&e.mem) {
   n_ctx_ = opt.n_ctx;
   WorkspaceShape s = shape;
   s.n_ctx = opt.n_ctx;
+  s.flash_kv = opt.kv.flash_on();
   ws.allocate(e, s);
 }
 
@@ -134,7 +155,8 @@ void Workspace::reserve_device(const ModelConfig& c, const WorkspaceShape& shape
   if (n % 256 == 0) xn_q = dev_bytes(row_bytes(DType::Q8_K, n) * vec_tokens, "activations");
   dequant_bytes = 64u << 20;
   dequant = dev_bytes(dequant_bytes, "dequantized weight tiles");
-  attn_scratch_bytes = gpu::attention_scratch_bytes(U, shape.n_ctx, c.n_head, c.head_dim_v);
+  attn_scratch_bytes = shape.flash_kv ? gpu::flash_scratch_bytes(c.n_head, c.head_dim_v)
+                                      : gpu::attention_scratch_bytes(U, shape.n_ctx, c.n_head, c.head_dim_v);
   attn_scratch = dev_bytes(attn_scratch_bytes, "attention scratch");
   if ((static_cast<int64_t>(c.n_head) * c.head_dim_v) % 256 == 0)
     att_q = dev_bytes(row_bytes(DType::Q8_K, aw) * vec_tokens, "activations");

@@ -17,22 +17,26 @@
 
 namespace fitmoe::gpu {
 
-// The element type the GPU engine stores for a cache type: f16 or f32, K and V alike (its attention
-// kernels read those; the GPU's attention is the same for -fa on and off). Anything else is an error
-// naming the type, never a silent substitute.
-DType gpu_kv_type(const KvCacheType& t);
+// One layer's cache of n_pos positions for heads of head_dim / head_dim_v, laid out as the type asks
+// (f16 / f32 without flash attention: V transposed; with it, K and V rows of their types and the
+// rotation `rot`), zeroed on `stream`; *bytes += what it took. The caller frees k and v.
+DevKv alloc_dev_kv(DeviceMemory& mem, const KvCacheType& t, const KvRotation& rot, int n_pos, int n_head_kv,
+                   int head_dim, int head_dim_v, size_t* bytes, void* stream);
+// Checks the type against the heads (check_kv_cache_type) and that the GPU runs it: without flash
+// attention only f16 and f32 (K and V alike); every type with it. The rotation it gets.
+KvRotation check_gpu_kv_type(const KvCacheType& t, const std::vector<int>& head_dims_k, const std::vector<int>& head_dims_v);
 
 struct KvCache {
   // One K and V per layer of c (c.n_layer); with specs, only for its attention layers (sized from
   // their AttnSpec; the others get an empty DevKv).
-  KvCache(DeviceMemory& mem, const ModelConfig& c, int n_ctx, DType type, const std::vector<LayerSpec>* specs = nullptr);
+  KvCache(DeviceMemory& mem, const ModelConfig& c, int n_ctx, const KvCacheType& type,
+          const std::vector<LayerSpec>* specs = nullptr);
   ~KvCache();
   KvCache(const KvCache&) = delete;
   KvCache& operator=(const KvCache&) = delete;
   size_t bytes() const { return total_bytes; }
 
-  DType type;
-  size_t k_bytes = 0, v_bytes = 0;  // (per layer without specs)
+  KvCacheType type;
   size_t total_bytes = 0;
   std::vector<DevKv> layers;
 
@@ -51,6 +55,8 @@ struct WorkspaceShape {
   // (0: none), and a shared expert's width (0: none; then MoeExecutor's sh_* buffers are allocated).
   int64_t act_width = 0;
   int64_t shared_ff = 0;
+  // A flash-attention cache (DevKv::flash): the attention scratch is the flash decode kernel's.
+  bool flash_kv = false;
 };
 
 struct Workspace {

@@ -129,6 +129,23 @@ void put_codes(const std::vector<int>& idx, int n, int bits, uint8_t* d) {
   }
 }
 
+// A sum over the n values of a block in a GPU warp's order: lane l folds values l, l + 32, ... with
+// `step` (a fused multiply-add), then the lanes are summed by the xor butterfly (offsets 16 .. 1).
+template <typename Step>
+double warp_sum(int n, Step step) {
+  double lane[32];
+  for (int l = 0; l < 32; ++l) {
+    lane[l] = 0.0;
+    for (int i = l; i < n; i += 32) lane[l] = step(i, lane[l]);
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    double next[32];
+    for (int l = 0; l < 32; ++l) next[l] = lane[l] + lane[l ^ o];
+    std::copy(next, next + 32, lane);
+  }
+  return lane[0];
+}
+
 int get_code(const uint8_t* d, int n, int bits, int i) {
   if (bits == 4) return (d[i / 2] >> (4 * (i % 2))) & 15;
   if (bits == 2) return (d[i / 4] >> (2 * (i % 4))) & 3;
@@ -159,6 +176,12 @@ void rotate(float* x, int n) {
   for (int i = 0; i < n; ++i) x[i] *= s2[i];
 }
 
+std::vector<float> rotation_signs(int n, int which) {
+  check_block(n, 2);
+  if (which != 1 && which != 2) throw Error("tq: sign vector " + std::to_string(which) + " (1 or 2)");
+  return signs(n, which);
+}
+
 void unrotate(float* x, int n) {
   const auto &s1 = signs(n, 1), &s2 = signs(n, 2);
   for (int i = 0; i < n; ++i) x[i] *= s2[i];
@@ -180,19 +203,21 @@ void encode_block(const float* x, int n, int bits, uint8_t* dst, Scale scale, co
   for (int i = 0; i < n; ++i)
     if (!std::isfinite(y[i])) throw Error("tq: value " + std::to_string(i) + " of a block is not finite");
   rotate(y.data(), n);
-  double nn = 0;
-  for (float v : y) nn += static_cast<double>(v) * v;
+  const double nn = warp_sum(n, [&](int i, double acc) { return std::fma(static_cast<double>(y[i]), static_cast<double>(y[i]), acc); });
   const double norm = std::sqrt(nn);
   std::vector<int> idx(n);
-  double zc = 0, cc = 0;
+  std::vector<double> z(n);
   for (int i = 0; i < n; ++i) {
     const double zi = norm > 0 ? y[i] / norm : 0.0;
     int k = 0;
     while (k + 1 < K && zi > 0.5 * (static_cast<double>(cb[k]) + cb[k + 1])) ++k;
     idx[i] = k;
-    zc += zi * cb[k];
-    cc += static_cast<double>(cb[k]) * cb[k];
+    z[i] = zi;
   }
+  const double zc = warp_sum(n, [&](int i, double acc) { return std::fma(z[i], static_cast<double>(cb[idx[i]]), acc); });
+  const double cc = warp_sum(n, [&](int i, double acc) {
+    return std::fma(static_cast<double>(cb[idx[i]]), static_cast<double>(cb[idx[i]]), acc);
+  });
   double gamma = 0;
   if (norm > 0 && cc > 0 && zc > 0) {
     switch (scale) {

@@ -45,11 +45,16 @@ void walsh_hadamard(float* x, int n);
 // depend only on n).
 void rotate(float* x, int n);
 void unrotate(float* x, int n);
+// The fixed sign vectors s1 (which = 1) and s2 (which = 2) of blocks of n values (+1 / -1).
+std::vector<float> rotation_signs(int n, int which);
 
 size_t block_bytes(int n, int bits);
 
 // Codes one block of n values (finite: a NaN or infinity throws fitmoe::Error naming it) into dst
 // (block_bytes(n, bits)); `codebook` overrides the Lloyd-Max one (comparison codecs in the tests).
+// The sums over the block (|y|^2, <z, c>, |c|^2) run in double in the order a GPU warp computes them
+// (value l + 32 j in lane l: a fused multiply-add chain over j per lane, then the xor-butterfly sum
+// over the lanes), so that the GPU's store (cuda/flash_attention.cu) writes the same bytes.
 void encode_block(const float* x, int n, int bits, uint8_t* dst, Scale scale = Scale::Unbiased,
                   const std::vector<float>* codebook = nullptr);
 // The block decoded back to n values (rotated back).

@@ -49,6 +49,7 @@ bool KvCacheType::flash_on() const {
 }
 
 std::string KvCacheType::name() const {
+  if (automatic) return "auto";
   std::string n = k == v ? dtype_name(k) : std::string(dtype_name(k)) + "/" + dtype_name(v);
   if (flash_on()) n += " (flash)";
   return n;

@@ -20,6 +20,9 @@ enum class FlashAttn { Auto, On, Off };
 struct KvCacheType {
   DType k = DType::F16, v = DType::F16;
   FlashAttn flash = FlashAttn::Auto;
+  // The plan chooses k and v (runtime/plan.h make_plan: f16 where the context fits beside a useful
+  // share of the experts, else the type of least quality loss that does) and resolves this to false.
+  bool automatic = false;
   // Auto: flash attention where the types need it (q8_0 and q4_0 caches: the reference allows a
   // quantized V only with flash attention; K and V of different types), otherwise the reference's
   // non-flash numerics, which every f16 fixture in ../shared/testdata was made with.
@@ -27,7 +30,9 @@ struct KvCacheType {
   bool quantized() const;
   std::string name() const;  // "f16", or "q8_0/q4_0" where K and V differ; " (flash)" appended when on
   // (C++17: the .cu files include this header.)
-  bool operator==(const KvCacheType& o) const { return k == o.k && v == o.v && flash == o.flash; }
+  bool operator==(const KvCacheType& o) const {
+    return k == o.k && v == o.v && flash == o.flash && automatic == o.automatic;
+  }
 };
 
 // The cache types fitmoe stores: f32, f16, bf16, q8_0, q4_0, and the rotated low-bit tq4, tq3, tq2

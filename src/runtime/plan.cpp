@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <regex>
 #include <sstream>
 
@@ -123,7 +124,8 @@ HostExpertsCost prefill_host_experts_cost(const PlanOptions& opt, const MachineP
   return c;
 }
 
-uint64_t gpu_scratch_bytes(const ModelConfig& cfg, int n_ubatch, int n_ctx, uint64_t expert_bytes, int chunk_experts) {
+uint64_t gpu_scratch_bytes(const ModelConfig& cfg, int n_ubatch, int n_ctx, uint64_t expert_bytes, int chunk_experts,
+                           bool flash_kv) {
   // Mirrors the GPU engine's Workspace (src/cuda/workspace.cpp, whose Workspace::device_bytes a test holds this to): each buffer, rounded up to the
   // accountant's 256-byte alignment, then 5% for what the estimate does not see.
   const uint64_t U = static_cast<uint64_t>(std::max(1, n_ubatch));
@@ -147,10 +149,14 @@ uint64_t gpu_scratch_bytes(const ModelConfig& cfg, int n_ubatch, int n_ctx, uint
   buf(4);  // router_topk's completion counter
   buf((cfg.n_expert ? vec_tokens * k : vec_tokens) * n * 4);                                   // CPU experts' rows
   buf(64 * MiB);                                                       // dequantized weight tiles
-  // Attention: only the split-K decode path (<= 8 queries) keeps per-split partials.
+  // Attention: only the split-K decode path (<= 8 queries) keeps per-split partials; with a flash
+  // cache, the flash decode kernel's partials (gpu::flash_scratch_bytes: 64 query-splits per head).
   const uint64_t rows = std::min<uint64_t>(U, 8) * cfg.n_head;
-  buf(rows * static_cast<uint64_t>(std::max(n_ctx, 1)) * 4), buf(rows * 128 * 4), buf(rows * 128 * 8),
-      buf(rows * 128 * static_cast<uint64_t>(cfg.head_dim_v) * 4);
+  if (flash_kv)
+    buf(64ull * cfg.n_head * (static_cast<uint64_t>(cfg.head_dim_v) + 2) * 4);
+  else
+    buf(rows * static_cast<uint64_t>(std::max(n_ctx, 1)) * 4), buf(rows * 128 * 4), buf(rows * 128 * 8),
+        buf(rows * 128 * static_cast<uint64_t>(cfg.head_dim_v) * 4);
   if (cfg.n_expert) {
     buf(static_cast<uint64_t>(kPrefillStageSlots) * std::max(1, chunk_experts) * expert_bytes);  // upload ring
     buf((E + 1) * 4);
@@ -240,7 +246,8 @@ int64_t max_gpu_context(const ModelConfig& cfg, const PlanOptions& opt, uint64_t
                         uint64_t expert_bytes, uint64_t budget) {
   auto fits = [&](int64_t ctx) {
     const uint64_t need = weights + kv_cache_bytes(cfg, ctx, opt.kv) + reserve +
-                          gpu_scratch_bytes(cfg, opt.n_ubatch, static_cast<int>(ctx), expert_bytes, opt.prefill_chunk_experts);
+                          gpu_scratch_bytes(cfg, opt.n_ubatch, static_cast<int>(ctx), expert_bytes, opt.prefill_chunk_experts,
+                                            opt.kv.flash_on());
     return need <= budget;
   };
   if (!fits(1)) return 0;
@@ -435,7 +442,59 @@ void predict_speed(const gguf::File& file, const ModelConfig& cfg, Plan& p, int 
 }
 
 
+// -ctk / -ctv auto: the first cache type in order of quality loss (f16, q8_0, tq4, tq3, tq2; on
+// gemma4 K stays q8_0 below that, its keys being the more sensitive) whose cache takes at most half
+// of what the GPU has left beside the non-expert weights, scratch and reserve (so that a useful share
+// of the experts fits beside it), or for which every expert fits anyway; if none does, the smallest
+// that fits at all. A CPU run keeps f16. The plan says which and why.
+Plan plan_kv_type(const gguf::File& file, const ModelConfig& cfg, const PlanOptions& opt_in, const MachineProfile& m) {
+  PlanOptions o = opt_in;
+  o.kv = KvCacheType{};
+  o.kv.flash = opt_in.kv.flash;
+  if (!opt_in.use_gpu || m.gpu_free_bytes == 0 || opt_in.kv.flash == FlashAttn::Off) return make_plan(file, cfg, o, m);
+  const bool k_q8 = cfg.arch == "gemma4";
+  std::vector<KvCacheType> candidates;
+  for (DType t : {DType::F16, DType::Q8_0, DType::TQ4, DType::TQ3, DType::TQ2}) {
+    KvCacheType c = o.kv;
+    c.k = k_q8 && kv_type_is_tq(t) ? DType::Q8_0 : t;
+    c.v = t;
+    candidates.push_back(c);
+  }
+  std::optional<Plan> smallest;
+  std::string f16_why, last_error;
+  for (const KvCacheType& c : candidates) {
+    o.kv = c;
+    Plan p;
+    try {
+      p = make_plan(file, cfg, o, m);
+    } catch (const Error& e) {
+      last_error = e.what();
+      if (c.k == DType::F16) f16_why = "f16 does not fit";
+      continue;
+    }
+    if (!p.use_gpu) return p;
+    const uint64_t room = p.budget - std::min(p.budget, p.gpu_weights + p.gpu_scratch + p.reserve);
+    const bool all_experts = p.host_experts == 0;
+    smallest = p;
+    if (all_experts || p.gpu_kv <= room / 2) {
+      std::string why = all_experts ? "every expert fits beside it" : "it takes " + gib(p.gpu_kv) + " of the " + gib(room) +
+                                                                          " beside the non-expert weights";
+      if (!f16_why.empty()) why += "; " + f16_why;
+      p.notes.push_back("KV cache type (automatic): " + c.name() + " for " + std::to_string(o.n_ctx) + " tokens, " +
+                        gib(p.gpu_kv) + ": " + why + " (-ctk / -ctv choose one)");
+      return p;
+    }
+    if (f16_why.empty())
+      f16_why = "f16 would take " + gib(p.gpu_kv) + ", more than half of the " + gib(room) + " beside the non-expert weights";
+  }
+  if (!smallest) throw Error(last_error);
+  smallest->notes.push_back("KV cache type (automatic): " + smallest->options.kv.name() + " for " + std::to_string(o.n_ctx) +
+                            " tokens, " + gib(smallest->gpu_kv) + ": the smallest that fits (" + f16_why + ")");
+  return *smallest;
+}
+
 Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions& opt_in, const MachineProfile& m) {
+  if (opt_in.kv.automatic) return plan_kv_type(file, cfg, opt_in, m);
   if (opt_in.n_ubatch <= 0) {
     // Automatic micro-batch on the GPU: 2048 tokens, unless 512 would keep every expert on the GPU and
     // 2048 would not. Larger micro-batches give each expert's grouped product more tokens (fuller
@@ -480,7 +539,7 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
       }
       for (uint64_t b : per_layer) per_expert = std::max(per_expert, b);
     }
-    p.gpu_scratch = gpu_scratch_bytes(cfg, opt.n_ubatch, opt.n_ctx, per_expert, opt.prefill_chunk_experts);
+    p.gpu_scratch = gpu_scratch_bytes(cfg, opt.n_ubatch, opt.n_ctx, per_expert, opt.prefill_chunk_experts, opt.kv.flash_on());
   }
   // What the process holds on the GPU beyond the accountant's allocations: the CUDA runtime as measured
   // at start-up (context, loaded kernels, cuBLAS; MachineProfile::gpu_runtime_bytes) plus what comes
@@ -566,7 +625,7 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
         s << "; a context of at most " << max_ctx << " tokens would fit";
       } else {
         const uint64_t min_need = p.gpu_weights + kv_cache_bytes(cfg, 512, opt.kv) + p.reserve +
-                                  gpu_scratch_bytes(cfg, opt.n_ubatch, 512, per_expert, opt.prefill_chunk_experts);
+                                  gpu_scratch_bytes(cfg, opt.n_ubatch, 512, per_expert, opt.prefill_chunk_experts, opt.kv.flash_on());
         s << "; at least " << gib(static_cast<double>(min_need)) << " is needed even with a 512-token context";
       }
       throw Error(s.str());

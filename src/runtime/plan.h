@@ -152,7 +152,8 @@ HostExpertsCost prefill_host_experts_cost(const PlanOptions& opt, const MachineP
 
 // GPU scratch of one model state: activations for a micro-batch of n_ubatch tokens, attention
 // partials for a context of n_ctx, and the upload ring (expert_bytes: one expert's gate+up+down).
-uint64_t gpu_scratch_bytes(const ModelConfig& cfg, int n_ubatch, int n_ctx, uint64_t expert_bytes, int chunk_experts);
+uint64_t gpu_scratch_bytes(const ModelConfig& cfg, int n_ubatch, int n_ctx, uint64_t expert_bytes, int chunk_experts,
+                           bool flash_kv = false);
 
 // Bytes of one sequence's state for n_ctx positions: the KV cache of every attention layer (K and V rows
 // of the cache type kv) plus the fixed recurrent state of every DeltaNet layer with kStateCheckpoints copies of it

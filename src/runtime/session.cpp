@@ -23,16 +23,17 @@ int resolve_threads(const Model& model, int requested) {
 Session::Session(const Model& model, const SessionOptions& opt)
     : model_(model), opt_(opt), pool_(resolve_threads(model, opt.n_threads)) {
   if (opt.n_ctx <= 0) throw Error("context size must be positive");
+  if (opt_.kv.automatic) opt_.kv = model.plan().options.kv;  // the plan's choice
   // A CPU run keeps the KV cache (and any recurrent state with its checkpoints) in host memory: fail
   // with the figures, not with the OOM killer. Per layer kind: qwen35's DeltaNet layers hold no KV.
   if (!model.on_gpu())
-    check_host_memory(sequence_memory_bytes(model.config(), opt.n_ctx, opt.kv, StateOptions{}.max_checkpoints, false),
+    check_host_memory(sequence_memory_bytes(model.config(), opt.n_ctx, opt_.kv, StateOptions{}.max_checkpoints, false),
                       "the KV cache of " + std::to_string(opt.n_ctx) + " tokens");
   // Automatic batch: the plan's GPU micro-batch (larger when prefill streams host experts), else 512.
   if (opt_.n_batch <= 0) opt_.n_batch = std::max(512, model.plan().options.n_ubatch);
   StateOptions so;
   so.n_ctx = opt.n_ctx;
-  so.kv = opt.kv;
+  so.kv = opt_.kv;
   state_ = model.new_state(so);
 }
 

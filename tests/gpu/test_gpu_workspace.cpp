@@ -39,17 +39,19 @@ TEST(CudaWorkspace, PlanEstimateCoversTheWorkspace) {
   const uint64_t expert_bytes = 3ull * 768 * 2048 * 9 / 16;  // about Q4_K
   for (const ModelConfig& c : {moe_shape(), dense_shape()})
     for (int ub : {1, 8, 512, 2048})
-      for (int ctx : {256, 4096, 40960}) {
-        WorkspaceShape s;
-        s.ubatch = ub;
-        s.n_ctx = ctx;
-        s.expert_bytes = c.n_expert ? expert_bytes : 0;
-        s.host_experts = c.n_expert > 0;  // (the ring: what the plan counts for every MoE model)
-        const uint64_t got = Workspace::device_bytes(c, s, 16);
-        const uint64_t plan = gpu_scratch_bytes(c, ub, ctx, s.expert_bytes, 16);
-        EXPECT_LE(got, plan) << c.arch << " ubatch " << ub << " n_ctx " << ctx;
-        EXPECT_GT(got, 0u);
-      }
+      for (int ctx : {256, 4096, 40960})
+        for (bool flash : {false, true}) {
+          WorkspaceShape s;
+          s.ubatch = ub;
+          s.n_ctx = ctx;
+          s.expert_bytes = c.n_expert ? expert_bytes : 0;
+          s.host_experts = c.n_expert > 0;  // (the ring: what the plan counts for every MoE model)
+          s.flash_kv = flash;
+          const uint64_t got = Workspace::device_bytes(c, s, 16);
+          const uint64_t plan = gpu_scratch_bytes(c, ub, ctx, s.expert_bytes, 16, flash);
+          EXPECT_LE(got, plan) << c.arch << " ubatch " << ub << " n_ctx " << ctx << (flash ? " flash" : "");
+          EXPECT_GT(got, 0u);
+        }
 }
 
 TEST(GpuWorkspace, TakesWhatItCounts) {
@@ -64,13 +66,19 @@ TEST(GpuWorkspace, TakesWhatItCounts) {
       s.ubatch = ub;
       s.expert_bytes = c.n_expert ? 4096 : 0;
       s.host_experts = c.n_expert > 0;
-      StateOptions so;
-      so.n_ctx = 1024;
-      const uint64_t before = e.mem.used();
-      GpuState st(e, so, s);
-      s.n_ctx = so.n_ctx;
-      EXPECT_EQ(e.mem.used() - before - st.kv.bytes(), Workspace::device_bytes(c, s, e.chunk_experts))
-          << c.arch << " ubatch " << ub;
+      for (DType kt : {DType::F16, DType::TQ3}) {
+        StateOptions so;
+        so.n_ctx = 1024;
+        so.kv = KvCacheType{kt, kt};
+        const uint64_t before = e.mem.used();
+        GpuState st(e, so, s);
+        WorkspaceShape counted = s;
+        counted.n_ctx = so.n_ctx;
+        counted.flash_kv = so.kv.flash_on();
+        EXPECT_EQ(e.mem.used() - before - st.kv.bytes(), Workspace::device_bytes(c, counted, e.chunk_experts))
+            << c.arch << " ubatch " << ub << " " << dtype_name(kt);
+        EXPECT_EQ(st.kv.bytes(), kv_cache_bytes(c, so.n_ctx, so.kv)) << c.arch << " " << dtype_name(kt);
+      }
     }
 }
 
