@@ -346,15 +346,14 @@ __global__ void __launch_bounds__(kStoreThreads) flash_store_kernel(StoreArgs a)
           if (amax < fabsf(xb[j])) amax = fabsf(xb[j]), mx = xb[j];
         const float d = __fdiv_rn(mx, -8.0f);
         const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
-        uint8_t* o = dst + 18 * b;
-        const uint16_t dh = __half_as_ushort(__float2half_rn(d));
-        o[0] = static_cast<uint8_t>(dh & 0xff);
-        o[1] = static_cast<uint8_t>(dh >> 8);
-        for (int j = 0; j < 16; ++j) {
-          const int q0 = min(15, static_cast<int>(static_cast<int8_t>(__fadd_rn(__fmul_rn(xb[j], id), 8.5f))));
-          const int q1 = min(15, static_cast<int>(static_cast<int8_t>(__fadd_rn(__fmul_rn(xb[16 + j], id), 8.5f))));
-          o[2 + j] = static_cast<uint8_t>(q0 | (q1 << 4));
-        }
+        // (16-bit stores, as the q8_0 path: the block is 2-byte aligned)
+        uint16_t* o = reinterpret_cast<uint16_t*>(dst + 18 * b);
+        o[0] = __half_as_ushort(__float2half_rn(d));
+        auto code = [&](int j) {
+          return min(15, static_cast<int>(static_cast<int8_t>(__fadd_rn(__fmul_rn(xb[j], id), 8.5f))));
+        };
+        for (int j = 0; j < 16; j += 2)
+          o[1 + j / 2] = static_cast<uint16_t>((code(j) | (code(16 + j) << 4)) | ((code(j + 1) | (code(17 + j) << 4)) << 8));
       }
       break;
     }
@@ -385,6 +384,11 @@ struct FlashArgs {
   int kt, vt, tqb_k, tqb_v, rot_k, rot_v;
   float rot_scale_k, rot_scale_v, tq_scale_k, tq_scale_v;
   int n_splits;
+  // decode: the tile's K and V bytes staged in shared memory (rows of k_stride / v_stride bytes),
+  // copied in 4-byte words where the rows allow it (else 2-byte)
+  bool stage;
+  int k_stride, v_stride;
+  bool k_w4, v_w4;
   float *part_o, *part_ml;
   float* out;
   int64_t ld_out;
@@ -406,6 +410,21 @@ __device__ void load_queries(const FlashArgs& a, At dst, int rows, int hd, int q
   __syncthreads();
   if (a.rot_k > 0) wht_smem(dst, q_count, a.rot_k, a.rot_scale_k);
   if (is_tq(a.kt)) tq_rotate_smem(dst, q_count, a.tqb_k, a.tq_scale_k);
+  // Q in K's dot format, as the reference's kernels take it: rounded to f16 for an f16 K; q8_0 (the
+  // activation quantizer's bits, decoded back) for q8_0 and q4_0 K.
+  if (a.kt == kF16) {
+    for (int i = threadIdx.x; i < q_count; i += blockDim.x) dst(i) = __half2float(__float2half_rn(dst(i)));
+    __syncthreads();
+  } else if (a.kt == kQ8 || a.kt == kQ4) {
+    for (int b = threadIdx.x; b < q_count / 32; b += blockDim.x) {
+      float amax = 0.0f;
+      for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(dst(32 * b + j)));
+      const float d = __half2float(__float2half_rn(__fdiv_rn(amax, 127.0f)));
+      const float id = amax != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+      for (int j = 0; j < 32; ++j) dst(32 * b + j) = static_cast<float>(__float2int_rn(__fmul_rn(dst(32 * b + j), id))) * d;
+    }
+    __syncthreads();
+  }
   for (int i = threadIdx.x; i < q_count; i += blockDim.x) dst(i) = dst(i) * a.scale_log2;
   __syncthreads();
   (void)rows;
@@ -423,6 +442,9 @@ __global__ void __launch_bounds__(kDecThreads) flash_decode_kernel(FlashArgs a) 
   float* cbk = al_s + HB;          // [16] K's codebook
   float* cbv = cbk + 16;           // [16] V's codebook
   float* red = cbv + 16;           // [KS - 1][HB][hdv] (narrow V heads)
+  const int KS_ = hdv >= 128 ? 1 : 128 / hdv;
+  uint8_t* kst = reinterpret_cast<uint8_t*>(sm) + ((sizeof(float) * (HB * QS + HB * kTK + HB + 32 + (KS_ - 1) * HB * hdv) + 15) & ~size_t{15});
+  uint8_t* vst = kst + kTK * a.k_stride;  // [kTK][v_stride]
   __shared__ int row_tok[HB], row_head[HB];
   const int split = blockIdx.x, hbk = blockIdx.y, t = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -453,39 +475,75 @@ __global__ void __launch_bounds__(kDecThreads) flash_decode_kernel(FlashArgs a) 
   const uint8_t* kbase = a.k + g_kv * a.k_head;
   const uint8_t* vbase = a.v + g_kv * a.v_head;
   const int kpw = 32 / LPK, c = lane % LPK;
+  auto copy_rows = [&](uint8_t* to, int stride, const uint8_t* from, int64_t row, int64_t head, bool w4, int kb, int nk) {
+    if (w4) {
+      const int words = static_cast<int>(head / 4);
+      for (int i = tid; i < nk * words; i += kDecThreads) {
+        const int j = i / words, w = i - j * words;
+        reinterpret_cast<uint32_t*>(to + j * stride)[w] = reinterpret_cast<const uint32_t*>(from + slot_of(a, kb + j) * row)[w];
+      }
+    } else {
+      const int words = static_cast<int>(head / 2);
+      for (int i = tid; i < nk * words; i += kDecThreads) {
+        const int j = i / words, w = i - j * words;
+        reinterpret_cast<uint16_t*>(to + j * stride)[w] = reinterpret_cast<const uint16_t*>(from + slot_of(a, kb + j) * row)[w];
+      }
+    }
+  };
   for (int kb = k0; kb < k1; kb += kTK) {
     const int nk = min(kTK, k1 - kb);
-    // Scores: LPK lanes per key, 32 dims each.
-    for (int j0 = warp * kpw; j0 < kTK; j0 += 4 * kpw) {
-      const int j = j0 + lane / LPK;
-      float part[HB];
-      if (j < nk) {
-        float kv[32];
-        decode32(a.kt, kbase + slot_of(a, kb + j) * a.k_row, c, a.tqb_k, cbk, kv);
+    // The tile's bytes in shared memory: every thread's loads in flight at once.
+    if (a.stage) {
+      copy_rows(kst, a.k_stride, kbase, a.k_row, a.k_head, a.k_w4, kb, nk);
+      copy_rows(vst, a.v_stride, vbase, a.v_row, a.v_head, a.v_w4, kb, nk);
+      __syncthreads();
+    }
+    // Scores: LPK lanes per key, 32 dims each, two keys per lane (each Q read serves both).
+    for (int j0 = warp * 2 * kpw; j0 < kTK; j0 += 8 * kpw) {
+      const int ja = j0 + lane / LPK, jb = ja + kpw;
+      float ka[32], kb2[32];
+      auto key = [&](int j, float* kv) {
+        if (j < nk) {
+          decode32(a.kt, a.stage ? kst + j * a.k_stride : kbase + slot_of(a, kb + j) * a.k_row, c, a.tqb_k, cbk, kv);
+        } else {
 #pragma unroll
-        for (int g = 0; g < HB; ++g) {
-          const float4* qq = reinterpret_cast<const float4*>(q_s + g * QS + c * 36);
-          float s = 0.0f;
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            const float4 x = qq[i];
-            s = fmaf(x.x, kv[4 * i], s);
-            s = fmaf(x.y, kv[4 * i + 1], s);
-            s = fmaf(x.z, kv[4 * i + 2], s);
-            s = fmaf(x.w, kv[4 * i + 3], s);
-          }
-          part[g] = s;
+          for (int i = 0; i < 32; ++i) kv[i] = 0.0f;
         }
-      } else {
+      };
+      key(ja, ka);
+      key(jb, kb2);
+      float pa[HB], pb[HB];
 #pragma unroll
-        for (int g = 0; g < HB; ++g) part[g] = 0.0f;
+      for (int g = 0; g < HB; ++g) {
+        const float4* qq = reinterpret_cast<const float4*>(q_s + g * QS + c * 36);
+        float sa = 0.0f, sb = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float4 x = qq[i];
+          sa = fmaf(x.x, ka[4 * i], sa);
+          sa = fmaf(x.y, ka[4 * i + 1], sa);
+          sa = fmaf(x.z, ka[4 * i + 2], sa);
+          sa = fmaf(x.w, ka[4 * i + 3], sa);
+          sb = fmaf(x.x, kb2[4 * i], sb);
+          sb = fmaf(x.y, kb2[4 * i + 1], sb);
+          sb = fmaf(x.z, kb2[4 * i + 2], sb);
+          sb = fmaf(x.w, kb2[4 * i + 3], sb);
+        }
+        pa[g] = sa;
+        pb[g] = sb;
       }
       for (int o = LPK / 2; o > 0; o >>= 1)
 #pragma unroll
-        for (int g = 0; g < HB; ++g) part[g] += __shfl_xor_sync(0xffffffffu, part[g], o);
+        for (int g = 0; g < HB; ++g) {
+          pa[g] += __shfl_xor_sync(0xffffffffu, pa[g], o);
+          pb[g] += __shfl_xor_sync(0xffffffffu, pb[g], o);
+        }
       if (c == 0)
 #pragma unroll
-        for (int g = 0; g < HB; ++g) s_s[g * kTK + j] = j < nk ? part[g] : -INFINITY;
+        for (int g = 0; g < HB; ++g) {
+          s_s[g * kTK + ja] = ja < nk ? pa[g] : -INFINITY;
+          s_s[g * kTK + jb] = jb < nk ? pb[g] : -INFINITY;
+        }
     }
     __syncthreads();
     // Online softmax: a warp per query head.
@@ -514,16 +572,34 @@ __global__ void __launch_bounds__(kDecThreads) flash_decode_kernel(FlashArgs a) 
     for (int g = 0; g < HB; ++g)
 #pragma unroll
       for (int i = 0; i < DPT; ++i) acc[g][i] *= al_s[g];
-    const int jb = sub * (kTK / KS), je = min(nk, jb + kTK / KS);
-    for (int j = jb; j < je; ++j) {
-      const uint8_t* vrow = vbase + slot_of(a, kb + j) * a.v_row;
+    const int j_lo = sub * (kTK / KS), j_hi = min(nk, j_lo + kTK / KS);
+    auto vrow = [&](int j) { return a.stage ? vst + j * a.v_stride : vbase + slot_of(a, kb + j) * a.v_row; };
+    int j = j_lo;
+    for (; j + 4 <= j_hi; j += 4) {  // four keys at a time: their probabilities in one float4 per head
+      float v[4][DPT];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int i = 0; i < DPT; ++i) v[u][i] = decode1(a.vt, vrow(j + u), d0 + 128 * i, a.tqb_v, cbv);
+#pragma unroll
+      for (int g = 0; g < HB; ++g) {
+        const float4 p = *reinterpret_cast<const float4*>(s_s + g * kTK + j);
+#pragma unroll
+        for (int i = 0; i < DPT; ++i) {
+          float t = fmaf(p.x, v[0][i], acc[g][i]);
+          t = fmaf(p.y, v[1][i], t);
+          t = fmaf(p.z, v[2][i], t);
+          acc[g][i] = fmaf(p.w, v[3][i], t);
+        }
+      }
+    }
+    for (; j < j_hi; ++j)
 #pragma unroll
       for (int i = 0; i < DPT; ++i) {
-        const float v = decode1(a.vt, vrow, d0 + 128 * i, a.tqb_v, cbv);
+        const float v = decode1(a.vt, vrow(j), d0 + 128 * i, a.tqb_v, cbv);
 #pragma unroll
         for (int g = 0; g < HB; ++g) acc[g][i] = fmaf(s_s[g * kTK + j], v, acc[g][i]);
       }
-    }
     __syncthreads();
   }
   if (KS > 1) {
@@ -805,9 +881,18 @@ void check_head(DType t, int n, const char* which) {
 }
 
 template <int HB, int DPT>
-void launch_decode(const FlashArgs& a, cudaStream_t st) {
+void launch_decode(FlashArgs a, cudaStream_t st) {
   const int QS = a.hd / 32 * 36, KS = a.hdv >= 128 ? 1 : 128 / a.hdv;
-  const size_t smem = sizeof(float) * (HB * QS + HB * kTK + HB + 32 + static_cast<size_t>(KS - 1) * HB * a.hdv);
+  const size_t base = (sizeof(float) * (HB * QS + HB * kTK + HB + 32 + static_cast<size_t>(KS - 1) * HB * a.hdv) + 15) & ~size_t{15};
+  // Staging where a tile's rows fit in 64 KiB (and the device allows it): wider heads of wide types read
+  // the cache directly.
+  a.k_stride = static_cast<int>((a.k_head + 15) / 16 * 16);
+  a.v_stride = static_cast<int>((a.v_head + 15) / 16 * 16);
+  const size_t staged = static_cast<size_t>(kTK) * (a.k_stride + a.v_stride);
+  a.stage = staged <= 64 * 1024 && base + staged <= smem_per_block("flash attention (decode)");
+  a.k_w4 = a.k_head % 4 == 0 && a.k_row % 4 == 0;
+  a.v_w4 = a.v_head % 4 == 0 && a.v_row % 4 == 0;
+  const size_t smem = base + (a.stage ? staged : 0);
   const dim3 grid(static_cast<unsigned>(a.n_splits), static_cast<unsigned>(a.n_head_kv * (a.group / HB)),
                   static_cast<unsigned>(a.n_tokens));
   need_dynamic_smem(reinterpret_cast<const void*>(flash_decode_kernel<HB, DPT>), smem, "flash attention (decode)");
