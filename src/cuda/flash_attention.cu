@@ -385,16 +385,16 @@ struct FlashArgs {
   float rot_scale_k, rot_scale_v, tq_scale_k, tq_scale_v;
   int n_splits;
   // decode: the tile's K and V bytes staged in shared memory (rows of k_stride / v_stride bytes),
-  // copied in 4-byte words where the rows allow it (else 2-byte)
+  // copied in the widest words (2 .. 16 bytes) the rows' alignment allows
   bool stage;
   int k_stride, v_stride;
-  bool k_w4, v_w4;
+  int k_align, v_align;
   float *part_o, *part_ml;
   float* out;
   int64_t ld_out;
 };
 
-constexpr int kDecThreads = 128, kTK = 64, kMaxSplitTokens = 64;
+constexpr int kDecThreads = 128, kTK = 64, kMaxSplitTokens = 256;  // (splits x queries of the scratch)
 constexpr int kDecodeMaxTokens = kMaxVecTokens;  // more queries: the prefill kernel
 
 __device__ __forceinline__ int slot_of(const FlashArgs& a, int p) { return a.ring ? p % a.n_ctx : p; }
@@ -475,27 +475,38 @@ __global__ void __launch_bounds__(kDecThreads) flash_decode_kernel(FlashArgs a) 
   const uint8_t* kbase = a.k + g_kv * a.k_head;
   const uint8_t* vbase = a.v + g_kv * a.v_head;
   const int kpw = 32 / LPK, c = lane % LPK;
-  auto copy_rows = [&](uint8_t* to, int stride, const uint8_t* from, int64_t row, int64_t head, bool w4, int kb, int nk) {
-    if (w4) {
-      const int words = static_cast<int>(head / 4);
-      for (int i = tid; i < nk * words; i += kDecThreads) {
-        const int j = i / words, w = i - j * words;
-        reinterpret_cast<uint32_t*>(to + j * stride)[w] = reinterpret_cast<const uint32_t*>(from + slot_of(a, kb + j) * row)[w];
+  // A tile's rows into shared memory in words of W bytes, eight loads in flight per thread before any
+  // store (the loop's stores could alias its loads otherwise, and one load at a time leaves the
+  // memory system idle).
+  auto copy_words = [&](auto word, uint8_t* to, int stride, const uint8_t* from, int64_t row, int64_t head, int kb, int nk) {
+    using W = decltype(word);
+    const int words = static_cast<int>(head / sizeof(W)), total = nk * words;
+    for (int i0 = tid; i0 < total; i0 += 8 * kDecThreads) {
+      W w[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int i = i0 + u * kDecThreads, j = i / words;
+        if (i < total) w[u] = reinterpret_cast<const W*>(from + slot_of(a, kb + j) * row)[i - j * words];
       }
-    } else {
-      const int words = static_cast<int>(head / 2);
-      for (int i = tid; i < nk * words; i += kDecThreads) {
-        const int j = i / words, w = i - j * words;
-        reinterpret_cast<uint16_t*>(to + j * stride)[w] = reinterpret_cast<const uint16_t*>(from + slot_of(a, kb + j) * row)[w];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int i = i0 + u * kDecThreads, j = i / words;
+        if (i < total) reinterpret_cast<W*>(to + j * stride)[i - j * words] = w[u];
       }
     }
+  };
+  auto copy_rows = [&](uint8_t* to, int stride, const uint8_t* from, int64_t row, int64_t head, int align, int kb, int nk) {
+    if (align >= 16) copy_words(uint4{}, to, stride, from, row, head, kb, nk);
+    else if (align >= 8) copy_words(uint2{}, to, stride, from, row, head, kb, nk);
+    else if (align >= 4) copy_words(uint32_t{}, to, stride, from, row, head, kb, nk);
+    else copy_words(uint16_t{}, to, stride, from, row, head, kb, nk);
   };
   for (int kb = k0; kb < k1; kb += kTK) {
     const int nk = min(kTK, k1 - kb);
     // The tile's bytes in shared memory: every thread's loads in flight at once.
     if (a.stage) {
-      copy_rows(kst, a.k_stride, kbase, a.k_row, a.k_head, a.k_w4, kb, nk);
-      copy_rows(vst, a.v_stride, vbase, a.v_row, a.v_head, a.v_w4, kb, nk);
+      copy_rows(kst, a.k_stride, kbase, a.k_row, a.k_head, a.k_align, kb, nk);
+      copy_rows(vst, a.v_stride, vbase, a.v_row, a.v_head, a.v_align, kb, nk);
       __syncthreads();
     }
     // Scores: LPK lanes per key, 32 dims each, two keys per lane (each Q read serves both).
@@ -890,8 +901,13 @@ void launch_decode(FlashArgs a, cudaStream_t st) {
   a.v_stride = static_cast<int>((a.v_head + 15) / 16 * 16);
   const size_t staged = static_cast<size_t>(kTK) * (a.k_stride + a.v_stride);
   a.stage = staged <= 64 * 1024 && base + staged <= smem_per_block("flash attention (decode)");
-  a.k_w4 = a.k_head % 4 == 0 && a.k_row % 4 == 0;
-  a.v_w4 = a.v_head % 4 == 0 && a.v_row % 4 == 0;
+  auto align = [](int64_t head, int64_t row) {
+    int w = 16;
+    while (w > 2 && (head % w != 0 || row % w != 0)) w /= 2;
+    return w;
+  };
+  a.k_align = align(a.k_head, a.k_row);
+  a.v_align = align(a.v_head, a.v_row);
   const size_t smem = base + (a.stage ? staged : 0);
   const dim3 grid(static_cast<unsigned>(a.n_splits), static_cast<unsigned>(a.n_head_kv * (a.group / HB)),
                   static_cast<unsigned>(a.n_tokens));
@@ -913,8 +929,9 @@ void run_decode(FlashArgs a, void* scratch, size_t scratch_bytes, int keys_max, 
     fa_fail("flash attention: V heads of " + std::to_string(a.hdv) + " values (32, 64, 128, 256 or 512)");
   const int hb = a.group % 8 == 0 ? 8 : a.group % 4 == 0 ? 4 : a.group % 2 == 0 ? 2 : 1;
   const int ctas = a.n_head_kv * (a.group / hb) * a.n_tokens;
-  int splits = std::max(1, 2 * sm_count() / std::max(ctas, 1));
-  splits = std::min(splits, std::max(1, (keys_max + 127) / 128));
+  // About eight CTAs per multiprocessor (their loads hide each other's latency), a tile of keys at least each.
+  int splits = std::max(1, 8 * sm_count() / std::max(ctas, 1));
+  splits = std::min(splits, std::max(1, (keys_max + kTK - 1) / kTK));
   splits = std::min(splits, std::max(1, kMaxSplitTokens / a.n_tokens));
   const size_t per_split = static_cast<size_t>(a.n_tokens) * a.n_head * (a.hdv + 2) * sizeof(float);
   splits = std::min<int>(splits, static_cast<int>(scratch_bytes / per_split));

@@ -150,10 +150,10 @@ uint64_t gpu_scratch_bytes(const ModelConfig& cfg, int n_ubatch, int n_ctx, uint
   buf((cfg.n_expert ? vec_tokens * k : vec_tokens) * n * 4);                                   // CPU experts' rows
   buf(64 * MiB);                                                       // dequantized weight tiles
   // Attention: only the split-K decode path (<= 8 queries) keeps per-split partials; with a flash
-  // cache, the flash decode kernel's partials (gpu::flash_scratch_bytes: 64 query-splits per head).
+  // cache, the flash decode kernel's partials (gpu::flash_scratch_bytes: 256 query-splits per head).
   const uint64_t rows = std::min<uint64_t>(U, 8) * cfg.n_head;
   if (flash_kv)
-    buf(64ull * cfg.n_head * (static_cast<uint64_t>(cfg.head_dim_v) + 2) * 4);
+    buf(256ull * cfg.n_head * (static_cast<uint64_t>(cfg.head_dim_v) + 2) * 4);
   else
     buf(rows * static_cast<uint64_t>(std::max(n_ctx, 1)) * 4), buf(rows * 128 * 4), buf(rows * 128 * 8),
         buf(rows * 128 * static_cast<uint64_t>(cfg.head_dim_v) * 4);

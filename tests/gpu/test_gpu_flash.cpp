@@ -153,24 +153,42 @@ void run_flash_case(const FlashCase& c, uint64_t seed, int kernel, double rel_to
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   auto got = dout.down<float>(static_cast<size_t>(ld_out) * c.n_tokens);
 
-  // The reference: the cache decoded back to the unrotated values, a softmax in double.
+  // The reference: scores in K's stored domain (Q rotated as K, then in K's dot format as the
+  // reference's kernels take it: f16 for f16 K, q8_0 for q8_0 / q4_0 K), V decoded back to its
+  // unrotated values, a softmax in double.
   const cpu::KvView& v = C.view;
   const int group = c.n_head / c.n_head_kv;
-  std::vector<float> kd(c.hd), vd(c.hdv);
+  std::vector<float> kd(c.hd), vd(c.hdv), qs(c.hd);
+  std::vector<uint8_t> qq(row_bytes(DType::Q8_0, c.hd));
   std::vector<double> sc;
   int bad = 0;
   for (int t = 0; t < c.n_tokens; ++t) {
     const int p = c.pos0 + t, lo = c.window > 0 ? std::max(0, p - c.window + 1) : 0;
     for (int h = 0; h < c.n_head; ++h) {
       const int g = h / group;
+      std::copy(q.begin() + t * ld_q + h * c.hd, q.begin() + t * ld_q + (h + 1) * c.hd, qs.begin());
+      if (v.rot_k) cpu::hadamard_blocks(qs.data(), c.hd, v.rot_k);
+      if (kv_type_is_tq(c.k))
+        for (int b = 0; b < c.hd; b += v.tq_block_k) tq::rotate(qs.data() + b, v.tq_block_k);
+      if (c.k == DType::F16)
+        for (float& x : qs) x = f16_to_f32(f32_to_f16(x));
+      if (c.k == DType::Q8_0 || c.k == DType::Q4_0) {
+        cpu::kv_quantize_row(DType::Q8_0, qs.data(), qq.data(), c.hd);
+        cpu::kv_dequantize_row(DType::Q8_0, qq.data(), qs.data(), c.hd);
+      }
       sc.assign(p + 1 - lo, 0.0);
       double mx = -1e300;
       for (int j = lo; j <= p; ++j) {
-        cpu::kv_dequantize_row(c.k, v.k + v.slot(j) * v.k_row_bytes + g * kv_row_bytes(c.k, c.hd), kd.data(), c.hd,
-                               v.tq_block_k);
-        if (v.rot_k) cpu::hadamard_blocks(kd.data(), c.hd, v.rot_k);
+        const uint8_t* kr = v.k + v.slot(j) * v.k_row_bytes + g * kv_row_bytes(c.k, c.hd);
+        if (kv_type_is_tq(c.k)) {
+          const size_t bb = tq::block_bytes(v.tq_block_k, tq_bits(c.k));
+          for (int b = 0; b < c.hd; b += v.tq_block_k)
+            tq::decode_block_rotated(kr + b / v.tq_block_k * bb, v.tq_block_k, tq_bits(c.k), kd.data() + b);
+        } else {
+          cpu::kv_dequantize_row(c.k, kr, kd.data(), c.hd);  // (the stored, rotated domain)
+        }
         double d = 0;
-        for (int e = 0; e < c.hd; ++e) d += static_cast<double>(q[t * ld_q + h * c.hd + e]) * kd[e];
+        for (int e = 0; e < c.hd; ++e) d += static_cast<double>(qs[e]) * kd[e];
         sc[j - lo] = d * scale;
         mx = std::max(mx, sc[j - lo]);
       }
