@@ -322,9 +322,9 @@ fi
 if want kv; then
   [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$MODEL" | tail -n 1
   D=${KV_DEPTH:-32768}
-  for t in f16 q8_0 tq3 tq4; do
+  for t in ${KV_TYPES:-f16 q8_0 tq3 tq4}; do
     echo "== kv: 30B-A3B all on the GPU, -ctk $t -ctv $t, depth $D"
-    "$BIN/fitmoe" bench -m "$MODEL" -ctk $t -ctv $t -d "$D" -p 2048 -n 64 -r 2 2>"$OUT/kv-$t.err" | grep '^|' | tail -n 2 | tee -a "$OUT/kv.md"
+    "$BIN/fitmoe" bench -m "$MODEL" -ctk $t -ctv $t -d "$D" -p 2048 -n 64 -r ${KV_REPS:-2} 2>"$OUT/kv-$t.err" | grep '^|' | tail -n 2 | tee -a "$OUT/kv.md"
     grep -iE 'error|plan:' "$OUT/kv-$t.err" | head -n 3
     while read -r l; do summary+=("kv 30B $t d$D $l"); done < <(tail -n 2 "$OUT/kv.md")
   done

@@ -151,6 +151,74 @@ __device__ __forceinline__ void decode32(int kind, const uint8_t* row, int c, in
   }
 }
 
+// Values [32c + 8s, 32c + 8s + 8) of one head's row (decode32's eighth; the decode kernel's scores
+// take a key in four of these, which keeps two keys' values in few registers).
+__device__ __forceinline__ void decode8(int kind, const uint8_t* row, int c, int s, int tqb, const float* cb, float* o) {
+  const int e0 = 32 * c + 8 * s;
+  switch (kind) {
+    case kF32: {
+      const float4* p = reinterpret_cast<const float4*>(row) + e0 / 4;
+      const float4 u = p[0], v = p[1];
+      o[0] = u.x, o[1] = u.y, o[2] = u.z, o[3] = u.w, o[4] = v.x, o[5] = v.y, o[6] = v.z, o[7] = v.w;
+      break;
+    }
+    case kF16:
+    case kBF16: {
+      const uint4 u = *reinterpret_cast<const uint4*>(row + e0 * 2);
+      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint16_t lo = static_cast<uint16_t>(w[j] & 0xffff), hi = static_cast<uint16_t>(w[j] >> 16);
+        o[2 * j] = kind == kF16 ? h2f(lo) : bf2f(lo);
+        o[2 * j + 1] = kind == kF16 ? h2f(hi) : bf2f(hi);
+      }
+      break;
+    }
+    case kQ8: {
+      const uint8_t* b = row + c * 34;
+      const float d = h2f(ld16(b));
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint16_t w = ld16(b + 2 + 8 * s + 2 * i);
+        o[2 * i] = d * static_cast<float>(static_cast<int8_t>(w & 0xff));
+        o[2 * i + 1] = d * static_cast<float>(static_cast<int8_t>(w >> 8));
+      }
+      break;
+    }
+    case kQ4: {
+      const uint8_t* b = row + c * 18;
+      const float d = h2f(ld16(b));
+      const int shift = s >= 2 ? 4 : 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint16_t w = ld16(b + 2 + 8 * (s & 1) + 2 * i);
+        o[2 * i] = d * static_cast<float>(((w >> shift) & 15) - 8);
+        o[2 * i + 1] = d * static_cast<float>(((w >> (8 + shift)) & 15) - 8);
+      }
+      break;
+    }
+    default: {  // tq
+      const int i0 = e0 & (tqb - 1);
+      const uint8_t* b = row + (e0 / tqb) * tq_block_bytes(kind, tqb);
+      const float g = h2f(ld16(b));
+      if (kind == kTQ4) {
+        const uint32_t w = static_cast<uint32_t>(ld16(b + 2 + i0 / 2)) | (static_cast<uint32_t>(ld16(b + 4 + i0 / 2)) << 16);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) o[j] = g * cb[(w >> (4 * j)) & 15];
+      } else if (kind == kTQ2) {
+        const uint16_t w = ld16(b + 2 + i0 / 4);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) o[j] = g * cb[(w >> (2 * j)) & 3];
+      } else {
+        const uint16_t w = ld16(b + 2 + i0 / 4);
+        const uint32_t h = b[2 + tqb / 4 + i0 / 8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) o[j] = g * cb[((w >> (2 * j)) & 3) | (((h >> j) & 1) << 2)];
+      }
+    }
+  }
+}
+
 // Value d of one head's row.
 __device__ __forceinline__ float decode1(int kind, const uint8_t* row, int d, int tqb, const float* cb) {
   switch (kind) {
@@ -236,7 +304,56 @@ struct StoreArgs {
   float rot_scale_k, rot_scale_v, tq_scale_k, tq_scale_v;  // 1 / sqrt(n) of each transform, from the host
 };
 
-constexpr int kStoreThreads = 128;
+// ---- one head's row in a warp: value l + 32 j in lane l's x[j], j < n / 32 (n <= 512) ---------------
+
+constexpr int kMaxPer = 16;
+
+// Walsh-Hadamard transform in blocks of n (n >= 32, a power of two dividing the row): the scale
+// first, then the butterflies len = 1, 2, ..: across lanes below 32 (xor shuffles), between a lane's
+// values above. Each output is a + b or a - b of the same two values as in tq::walsh_hadamard, so the
+// bits agree with the CPU's.
+__device__ __forceinline__ void wht_warp(float* x, int per, int n, float scale) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int j = 0; j < kMaxPer; ++j)
+    if (j < per) x[j] = __fmul_rn(x[j], scale);
+  for (int len = 1; len < 32 && len < n; len <<= 1) {
+    const bool hi = lane & len;
+#pragma unroll
+    for (int j = 0; j < kMaxPer; ++j)
+      if (j < per) {  // (per is the same in every lane)
+        const float o = __shfl_xor_sync(0xffffffffu, x[j], len);
+        x[j] = hi ? __fsub_rn(o, x[j]) : __fadd_rn(x[j], o);
+      }
+  }
+#pragma unroll
+  for (int sb = 1; sb < kMaxPer; sb <<= 1) {  // len = 32 sb
+    if (32 * sb >= n) break;
+#pragma unroll
+    for (int j = 0; j < kMaxPer; ++j)
+      if (!(j & sb) && j + sb < per) {
+        const float lo = x[j], hi = x[j + sb];
+        x[j] = __fadd_rn(lo, hi);
+        x[j + sb] = __fsub_rn(lo, hi);
+      }
+  }
+}
+// x[j] *= tq sign `which` (0: s1, 1: s2) of its value's place in its block of n.
+__device__ __forceinline__ void tq_signs_warp(float* x, int per, int n, int which) {
+  const int lane = threadIdx.x & 31, si = tq_size_index(n);
+#pragma unroll
+  for (int j = 0; j < kMaxPer; ++j)
+    if (j < per && ((c_signs[si][which][j & (n / 32 - 1)] >> lane) & 1u)) x[j] = -x[j];
+}
+__device__ __forceinline__ void tq_rotate_warp(float* x, int per, int n, float scale) {
+  tq_signs_warp(x, per, n, 0);
+  wht_warp(x, per, n, scale);
+  tq_signs_warp(x, per, n, 1);
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
 
 // One tq block of n values (n / 32 per lane: value l + 32 j) in the least-squares scale, with the
 // CPU's encoder's arithmetic (tq::encode_block: per-lane double fma chains, then xor-butterfly sums).
@@ -289,81 +406,91 @@ __device__ void tq_encode_warp(const float* y, int n, int kind, const float* cb,
   }
 }
 
-// grid (n_head_kv, n_tokens, 2: K then V): one head's row into the cache.
-__global__ void __launch_bounds__(kStoreThreads) flash_store_kernel(StoreArgs a) {
-  extern __shared__ float sh[];  // [512] the row, then [512] codes (tq)
+// grid (n_head_kv, n_tokens, 2: K then V), one warp each: one head's row into the cache.
+__global__ void __launch_bounds__(32) flash_store_kernel(StoreArgs a) {
+  __shared__ float y[512];
+  __shared__ uint8_t codes[512];
   pdl_enter();
-  const int g = blockIdx.x, t = blockIdx.y, is_v = blockIdx.z, tid = threadIdx.x;
-  const int n = is_v ? a.hdv : a.hd, kind = is_v ? a.vt : a.kt;
+  const int g = blockIdx.x, t = blockIdx.y, is_v = blockIdx.z, lane = threadIdx.x;
+  const int n = is_v ? a.hdv : a.hd, kind = is_v ? a.vt : a.kt, per = n / 32;
   const int rot = is_v ? a.rot_v : a.rot_k, tqb = is_v ? a.tqb_v : a.tqb_k;
   const float* src = (is_v ? a.xv + t * a.ld_v : a.xk + t * a.ld_k) + static_cast<int64_t>(g) * n;
   const int p = a.pos[t];
   const int slot = a.ring ? p % a.n_ctx : p;
   uint8_t* dst = (is_v ? a.v + slot * a.v_row : a.k + slot * a.k_row);
-  float* x = sh;
-  for (int i = tid; i < n; i += blockDim.x) x[i] = src[i];
-  __syncthreads();
-  auto at = [x](int i) -> float& { return x[i]; };
-  if (rot > 0) wht_smem(at, n, rot, is_v ? a.rot_scale_v : a.rot_scale_k);
-  if (is_tq(kind)) tq_rotate_smem(at, n, tqb, is_v ? a.tq_scale_v : a.tq_scale_k);
+  float x[kMaxPer];
+#pragma unroll
+  for (int j = 0; j < kMaxPer; ++j)
+    if (j < per) x[j] = src[lane + 32 * j];
+  if (rot > 0) wht_warp(x, per, rot, is_v ? a.rot_scale_v : a.rot_scale_k);
+  if (is_tq(kind)) tq_rotate_warp(x, per, tqb, is_v ? a.tq_scale_v : a.tq_scale_k);
   switch (kind) {
     case kF32: {
-      dst += static_cast<int64_t>(g) * n * 4;
-      for (int i = tid; i < n; i += blockDim.x) reinterpret_cast<float*>(dst)[i] = x[i];
+      float* o = reinterpret_cast<float*>(dst) + static_cast<int64_t>(g) * n;
+#pragma unroll
+      for (int j = 0; j < kMaxPer; ++j)
+        if (j < per) o[lane + 32 * j] = x[j];
       break;
     }
     case kF16:
     case kBF16: {
-      dst += static_cast<int64_t>(g) * n * 2;
-      for (int i = tid; i < n; i += blockDim.x)
-        reinterpret_cast<uint16_t*>(dst)[i] =
-            kind == kF16 ? __half_as_ushort(__float2half_rn(x[i])) : __bfloat16_as_ushort(__float2bfloat16_rn(x[i]));
+      uint16_t* o = reinterpret_cast<uint16_t*>(dst) + static_cast<int64_t>(g) * n;
+#pragma unroll
+      for (int j = 0; j < kMaxPer; ++j)
+        if (j < per)
+          o[lane + 32 * j] =
+              kind == kF16 ? __half_as_ushort(__float2half_rn(x[j])) : __bfloat16_as_ushort(__float2bfloat16_rn(x[j]));
       break;
     }
-    case kQ8: {  // as quant_q8_kernel (the CPU's activation quantizer): a thread per block of 32
-      dst += static_cast<int64_t>(g) * (n / 32) * 34;
-      for (int b = tid; b < n / 32; b += blockDim.x) {
-        const float* xb = x + 32 * b;
-        float amax = 0.0f;
-        for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(xb[j]));
+    case kQ8: {  // as quant_q8_kernel (the CPU's activation quantizer): a block of 32 per j
+      dst += static_cast<int64_t>(g) * per * 34;
+#pragma unroll
+      for (int j = 0; j < kMaxPer; ++j) {
+        if (j >= per) break;
+        const float amax = warp_max(fabsf(x[j]));
         const float d = __fdiv_rn(amax, 127.0f);
         const float id = amax != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
-        uint16_t* o = reinterpret_cast<uint16_t*>(dst + 34 * b);
-        o[0] = __half_as_ushort(__float2half_rn(d));
-        for (int j = 0; j < 32; j += 2) {
-          const int q0 = __float2int_rn(__fmul_rn(xb[j], id)), q1 = __float2int_rn(__fmul_rn(xb[j + 1], id));
-          o[1 + j / 2] = static_cast<uint16_t>((q0 & 0xff) | ((q1 & 0xff) << 8));
-        }
+        const int q = __float2int_rn(__fmul_rn(x[j], id));
+        const int q1 = __shfl_down_sync(0xffffffffu, q, 1);
+        uint16_t* o = reinterpret_cast<uint16_t*>(dst + 34 * j);
+        if (!(lane & 1)) o[1 + lane / 2] = static_cast<uint16_t>((q & 0xff) | ((q1 & 0xff) << 8));
+        if (lane == 0) o[0] = __half_as_ushort(__float2half_rn(d));
       }
       break;
     }
-    case kQ4: {  // as the reference's quantize_row_q4_0_ref
-      dst += static_cast<int64_t>(g) * (n / 32) * 18;
-      for (int b = tid; b < n / 32; b += blockDim.x) {
-        const float* xb = x + 32 * b;
-        float amax = 0.0f, mx = 0.0f;
-        for (int j = 0; j < 32; ++j)
-          if (amax < fabsf(xb[j])) amax = fabsf(xb[j]), mx = xb[j];
+    case kQ4: {  // as the reference's quantize_row_q4_0_ref: d from the first value of largest magnitude
+      dst += static_cast<int64_t>(g) * per * 18;
+#pragma unroll
+      for (int j = 0; j < kMaxPer; ++j) {
+        if (j >= per) break;
+        float best = fabsf(x[j]);
+        int at = lane;
+        for (int o = 16; o > 0; o >>= 1) {
+          const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+          const int oa = __shfl_xor_sync(0xffffffffu, at, o);
+          if (ob > best || (ob == best && oa < at)) best = ob, at = oa;
+        }
+        const float mx = __shfl_sync(0xffffffffu, x[j], at);
         const float d = __fdiv_rn(mx, -8.0f);
         const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
-        // (16-bit stores, as the q8_0 path: the block is 2-byte aligned)
-        uint16_t* o = reinterpret_cast<uint16_t*>(dst + 18 * b);
-        o[0] = __half_as_ushort(__float2half_rn(d));
-        auto code = [&](int j) {
-          return min(15, static_cast<int>(static_cast<int8_t>(__fadd_rn(__fmul_rn(xb[j], id), 8.5f))));
-        };
-        for (int j = 0; j < 16; j += 2)
-          o[1 + j / 2] = static_cast<uint16_t>((code(j) | (code(16 + j) << 4)) | ((code(j + 1) | (code(17 + j) << 4)) << 8));
+        const int q = min(15, static_cast<int>(static_cast<int8_t>(__fadd_rn(__fmul_rn(x[j], id), 8.5f))));
+        const int b = q | (__shfl_down_sync(0xffffffffu, q, 16) << 4);  // (lanes < 16: byte `lane`)
+        const int b1 = __shfl_down_sync(0xffffffffu, b, 1);
+        uint16_t* o = reinterpret_cast<uint16_t*>(dst + 18 * j);
+        if (lane < 16 && !(lane & 1)) o[1 + lane / 2] = static_cast<uint16_t>((b & 0xff) | ((b1 & 0xff) << 8));
+        if (lane == 0) o[0] = __half_as_ushort(__float2half_rn(d));
       }
       break;
     }
-    default: {  // tq: a warp per block
+    default: {  // tq: the warp codes each block of tqb values
       const int bb = tq_block_bytes(kind, tqb);
       dst += static_cast<int64_t>(g) * (n / tqb) * bb;
       const float* cb = c_codebook[tq_size_index(tqb)][tq_bits_of(kind) - 2];
-      uint8_t* codes = reinterpret_cast<uint8_t*>(sh + 512);
-      for (int b = tid / 32; b < n / tqb; b += blockDim.x / 32)
-        tq_encode_warp(x + b * tqb, tqb, kind, cb, codes + b * tqb, dst + b * bb);
+#pragma unroll
+      for (int j = 0; j < kMaxPer; ++j)
+        if (j < per) y[lane + 32 * j] = x[j];
+      __syncwarp();
+      for (int b = 0; b < n / tqb; ++b) tq_encode_warp(y + b * tqb, tqb, kind, cb, codes + b * tqb, dst + b * bb);
     }
   }
 }
@@ -430,10 +557,30 @@ __device__ void load_queries(const FlashArgs& a, At dst, int rows, int hd, int q
   (void)rows;
 }
 
+// One query head in a warp's registers (as wht_warp's layout): rotated as K was, in K's dot format
+// (load_queries' rules), scaled by scale_log2.
+__device__ __forceinline__ void query_format_warp(const FlashArgs& a, float* x, int per) {
+  if (a.rot_k > 0) wht_warp(x, per, a.rot_k, a.rot_scale_k);
+  if (is_tq(a.kt)) tq_rotate_warp(x, per, a.tqb_k, a.tq_scale_k);
+#pragma unroll
+  for (int j = 0; j < kMaxPer; ++j) {
+    if (j >= per) break;
+    if (a.kt == kF16) {
+      x[j] = __half2float(__float2half_rn(x[j]));
+    } else if (a.kt == kQ8 || a.kt == kQ4) {
+      const float amax = warp_max(fabsf(x[j]));
+      const float d = __half2float(__float2half_rn(__fdiv_rn(amax, 127.0f)));
+      const float id = amax != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+      x[j] = static_cast<float>(__float2int_rn(__fmul_rn(x[j], id))) * d;
+    }
+    x[j] *= a.scale_log2;
+  }
+}
+
 // grid (n_splits, n_head_kv * group / HB, n_tokens); HB query heads of one kv head per CTA; DPT value
 // dims per thread (head_dim_v / 128, or 1 with 128 / head_dim_v key streams for narrower heads).
 template <int HB, int DPT>
-__global__ void __launch_bounds__(kDecThreads) flash_decode_kernel(FlashArgs a) {
+__global__ void __launch_bounds__(kDecThreads, 3) flash_decode_kernel(FlashArgs a) {  // (3 CTAs per SM: 168 registers)
   extern __shared__ float sm[];
   const int hd = a.hd, hdv = a.hdv, LPK = hd / 32, QS = LPK * 36;
   float* q_s = sm;                 // [HB][QS]: chunk c of a head at c * 36 (banks differ per chunk)
@@ -445,7 +592,6 @@ __global__ void __launch_bounds__(kDecThreads) flash_decode_kernel(FlashArgs a) 
   const int KS_ = hdv >= 128 ? 1 : 128 / hdv;
   uint8_t* kst = reinterpret_cast<uint8_t*>(sm) + ((sizeof(float) * (HB * QS + HB * kTK + HB + 32 + (KS_ - 1) * HB * hdv) + 15) & ~size_t{15});
   uint8_t* vst = kst + kTK * a.k_stride;  // [kTK][v_stride]
-  __shared__ int row_tok[HB], row_head[HB];
   const int split = blockIdx.x, hbk = blockIdx.y, t = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int blocks_per_kv = a.group / HB;
@@ -454,15 +600,29 @@ __global__ void __launch_bounds__(kDecThreads) flash_decode_kernel(FlashArgs a) 
     cbk[tid] = is_tq(a.kt) ? c_codebook[tq_size_index(a.tqb_k)][tq_bits_of(a.kt) - 2][tid] : 0.0f;
     cbv[tid] = is_tq(a.vt) ? c_codebook[tq_size_index(a.tqb_v)][tq_bits_of(a.vt) - 2][tid] : 0.0f;
   }
-  if (tid < HB) row_tok[tid] = t, row_head[tid] = h0 + tid;
   pdl_enter();
   const int p = a.pos[t];
   const int lo = a.window > 0 ? max(0, p - a.window + 1) : 0, hi = p + 1;
   const int per = (hi - lo + a.n_splits - 1) / a.n_splits;
   const int k0 = lo + split * per, k1 = min(hi, k0 + per);
   __syncthreads();
-  load_queries(a, [q_s, hd](int i) -> float& { return q_s[(i / hd) * (hd / 32) * 36 + ((i % hd) >> 5) * 36 + (i & 31)]; },
-               HB, hd, HB * hd, row_tok, row_head);
+  // Q: a warp per query head, its values in registers (chunk j of 32 values at j * 36 in q_s).
+#pragma unroll
+  for (int gi = 0; gi < 2; ++gi) {
+    const int g = warp + 4 * gi;
+    if (g >= HB) break;
+    float x[kMaxPer];
+    const int per = hd / 32;
+    const float* qr = a.q + t * a.ld_q + static_cast<int64_t>(h0 + g) * hd;
+#pragma unroll
+    for (int j = 0; j < kMaxPer; ++j)
+      if (j < per) x[j] = qr[lane + 32 * j];
+    query_format_warp(a, x, per);
+#pragma unroll
+    for (int j = 0; j < kMaxPer; ++j)
+      if (j < per) q_s[g * QS + j * 36 + lane] = x[j];
+  }
+  __syncthreads();
 
   const int KS = hdv >= 128 ? 1 : 128 / hdv;
   const int sub = hdv >= 128 ? 0 : tid / hdv, d0 = hdv >= 128 ? tid : tid % hdv;
@@ -475,21 +635,22 @@ __global__ void __launch_bounds__(kDecThreads) flash_decode_kernel(FlashArgs a) 
   const uint8_t* kbase = a.k + g_kv * a.k_head;
   const uint8_t* vbase = a.v + g_kv * a.v_head;
   const int kpw = 32 / LPK, c = lane % LPK;
-  // A tile's rows into shared memory in words of W bytes, eight loads in flight per thread before any
+  // A tile's rows into shared memory in words of W bytes, sixteen loads in flight per thread before any
   // store (the loop's stores could alias its loads otherwise, and one load at a time leaves the
   // memory system idle).
   auto copy_words = [&](auto word, uint8_t* to, int stride, const uint8_t* from, int64_t row, int64_t head, int kb, int nk) {
     using W = decltype(word);
     const int words = static_cast<int>(head / sizeof(W)), total = nk * words;
-    for (int i0 = tid; i0 < total; i0 += 8 * kDecThreads) {
-      W w[8];
+    constexpr int B = 8;
+    for (int i0 = tid; i0 < total; i0 += B * kDecThreads) {
+      W w[B];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
+      for (int u = 0; u < B; ++u) {
         const int i = i0 + u * kDecThreads, j = i / words;
         if (i < total) w[u] = reinterpret_cast<const W*>(from + slot_of(a, kb + j) * row)[i - j * words];
       }
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
+      for (int u = 0; u < B; ++u) {
         const int i = i0 + u * kDecThreads, j = i / words;
         if (i < total) reinterpret_cast<W*>(to + j * stride)[i - j * words] = w[u];
       }
@@ -509,39 +670,31 @@ __global__ void __launch_bounds__(kDecThreads) flash_decode_kernel(FlashArgs a) 
       copy_rows(vst, a.v_stride, vbase, a.v_row, a.v_head, a.v_align, kb, nk);
       __syncthreads();
     }
-    // Scores: LPK lanes per key, 32 dims each, two keys per lane (each Q read serves both).
+    // Scores: LPK lanes per key, 32 dims each, two keys per lane (each Q read serves both), eight
+    // values of each at a time.
     for (int j0 = warp * 2 * kpw; j0 < kTK; j0 += 8 * kpw) {
       const int ja = j0 + lane / LPK, jb = ja + kpw;
-      float ka[32], kb2[32];
-      auto key = [&](int j, float* kv) {
-        if (j < nk) {
-          decode32(a.kt, a.stage ? kst + j * a.k_stride : kbase + slot_of(a, kb + j) * a.k_row, c, a.tqb_k, cbk, kv);
-        } else {
-#pragma unroll
-          for (int i = 0; i < 32; ++i) kv[i] = 0.0f;
-        }
-      };
-      key(ja, ka);
-      key(jb, kb2);
+      const uint8_t* ra = a.stage ? kst + ja * a.k_stride : kbase + slot_of(a, kb + min(ja, nk - 1)) * a.k_row;
+      const uint8_t* rb = a.stage ? kst + jb * a.k_stride : kbase + slot_of(a, kb + min(jb, nk - 1)) * a.k_row;
       float pa[HB], pb[HB];
 #pragma unroll
-      for (int g = 0; g < HB; ++g) {
-        const float4* qq = reinterpret_cast<const float4*>(q_s + g * QS + c * 36);
-        float sa = 0.0f, sb = 0.0f;
+      for (int g = 0; g < HB; ++g) pa[g] = pb[g] = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const float4 x = qq[i];
-          sa = fmaf(x.x, ka[4 * i], sa);
-          sa = fmaf(x.y, ka[4 * i + 1], sa);
-          sa = fmaf(x.z, ka[4 * i + 2], sa);
-          sa = fmaf(x.w, ka[4 * i + 3], sa);
-          sb = fmaf(x.x, kb2[4 * i], sb);
-          sb = fmaf(x.y, kb2[4 * i + 1], sb);
-          sb = fmaf(x.z, kb2[4 * i + 2], sb);
-          sb = fmaf(x.w, kb2[4 * i + 3], sb);
+      for (int sub8 = 0; sub8 < 4; ++sub8) {
+        float ka[8], kb2[8];
+        decode8(a.kt, ra, c, sub8, a.tqb_k, cbk, ka);
+        decode8(a.kt, rb, c, sub8, a.tqb_k, cbk, kb2);
+#pragma unroll
+        for (int g = 0; g < HB; ++g) {
+          const float4* qq = reinterpret_cast<const float4*>(q_s + g * QS + c * 36 + 8 * sub8);
+          const float4 x0 = qq[0], x1 = qq[1];
+          const float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            pa[g] = fmaf(xs[i], ka[i], pa[g]);
+            pb[g] = fmaf(xs[i], kb2[i], pb[g]);
+          }
         }
-        pa[g] = sa;
-        pb[g] = sb;
       }
       for (int o = LPK / 2; o > 0; o >>= 1)
 #pragma unroll
@@ -679,7 +832,7 @@ __global__ void __launch_bounds__(kDecThreads) flash_combine_kernel(FlashArgs a)
 #define FITMOE_FA_WMMA 1
 #endif
 
-constexpr int kPreThreads = 128;
+constexpr int kPreThreads = 128, kPrefillMinTokens = 64;
 
 template <int BQ, int NK, int D>
 struct PrefillLayout {
@@ -1022,7 +1175,7 @@ void flash_kv_store(const DevKv& kv, bool ring, const int32_t* pos, int n_tokens
   a.tq_scale_k = inv_sqrt_f(kv.tq_block_k);
   a.tq_scale_v = inv_sqrt_f(kv.tq_block_v);
   const dim3 grid(static_cast<unsigned>(n_head_kv), static_cast<unsigned>(n_tokens), 2);
-  launch(flash_store_kernel, grid, kStoreThreads, sizeof(float) * 512 + 512, cs(s), a);
+  launch(flash_store_kernel, grid, 32, 0, cs(s), a);
   fa_check(cudaGetLastError(), "flash_kv_store");
 }
 
@@ -1058,7 +1211,9 @@ void flash_attention(const float* q, int64_t ld_q, const DevKv& kv, bool ring, i
   a.tq_scale_v = inv_sqrt_f(kv.tq_block_v);
   a.out = out, a.ld_out = ld_out;
   const cudaStream_t st = cs(s);
-  if (n_tokens > kDecodeMaxTokens && kernel != 1 && run_prefill(a, st)) return;
+  // Batches under 64 queries take the decode kernel too (f32 arithmetic, as the reference's one-row
+  // kernel, which it uses below 64 rows); larger ones the tensor cores where the device has them.
+  if (n_tokens >= kPrefillMinTokens && kernel != 1 && run_prefill(a, st)) return;
   // The decode kernel, in batches of up to kDecodeMaxTokens queries.
   for (int t0 = 0; t0 < n_tokens; t0 += kDecodeMaxTokens) {
     FlashArgs b = a;

@@ -224,7 +224,7 @@ TEST_P(GpuFlashAttention, MatchesTheDecodedCache) {
   SCOPED_TRACE(name(c));
   // The decode kernel computes in f32 on the decoded values (tolerance: f32 rounding of the rotations
   // and sums); the tensor-core kernel rounds Q, K, V and P to f16.
-  const bool tensor_cores = c.n_tokens > kMaxVecTokens;
+  const bool tensor_cores = c.n_tokens >= 64;  // (flash_attention: smaller batches take the decode kernel)
   run_flash_case(c, 5, 0, tensor_cores ? 1e-2 : 2e-4);
   if (tensor_cores) {
     SCOPED_TRACE("decode kernel forced");
@@ -244,13 +244,14 @@ std::vector<FlashCase> attention_cases() {
     v.push_back({t, t, 32, 4, 128, 128, 700, 4, 0, true});     // a few drafted tokens
     v.push_back({t, t, 32, 4, 128, 128, 300, 100, 0, true});   // prefill at depth
     v.push_back({t, t, 16, 2, 256, 256, 500, 3, 0, true});     // qwen35moe full attention
-    v.push_back({t, t, 16, 2, 256, 256, 200, 40, 0, true});
+    v.push_back({t, t, 16, 2, 256, 256, 200, 80, 0, true});
+    v.push_back({t, t, 16, 2, 256, 256, 100, 20, 0, true});    // a batch under 64: the decode kernel
     v.push_back({t, t, 16, 2, 512, 512, 300, 2, 0, false});    // gemma4 global layers
-    v.push_back({t, t, 16, 2, 512, 512, 100, 20, 0, false});
+    v.push_back({t, t, 16, 2, 512, 512, 100, 64, 0, false});
     v.push_back({t, t, 16, 8, 256, 256, 900, 1, 64, false});   // gemma4 sliding layers: a window over a ring
-    v.push_back({t, t, 16, 8, 256, 256, 900, 30, 64, false});
+    v.push_back({t, t, 16, 8, 256, 256, 900, 70, 64, false});
     v.push_back({t, t, 8, 2, 32, 32, 90, 70, 0, false});       // qwen3moe-tiny's heads
-    v.push_back({t, t, 16, 1, 64, 64, 50, 33, 0, true});       // group of 16
+    v.push_back({t, t, 16, 1, 64, 64, 50, 96, 0, true});       // group of 16
     v.push_back({t, t, 6, 2, 64, 64, 80, 2, 0, false});        // group of 3
   }
   return v;
@@ -349,7 +350,9 @@ INSTANTIATE_TEST_SUITE_P(AllFiles, GpuFlashReference,
                          });
 
 // Every cache type on every architecture (gemma4's sliding rings and shared KV too): the GPU's logits
-// against the CPU's with the same cache type, a prompt in one batch and then token by token.
+// against the CPU's with the same cache type, token by token past gemma4's window (the decode kernels
+// of both compute in f32; the tensor-core kernel's f16 rounding can flip the tiny MoE models' routing,
+// and is held to the decoded cache in GpuFlashAttention instead).
 class GpuFlashVsCpu : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(GpuFlashVsCpu, EveryCacheTypeAgreesWithTheCpu) {
@@ -362,7 +365,7 @@ TEST_P(GpuFlashVsCpu, EveryCacheTypeAgreesWithTheCpu) {
   lo.plan.use_gpu = false;
   auto cpu_model = Model::load(path, lo);
   const int n_vocab = gpu_model->config().n_vocab;
-  std::vector<int32_t> prompt(80);
+  std::vector<int32_t> prompt(40);
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((i * 7919 + 13) % n_vocab);
   for (DType t : {DType::F16, DType::Q8_0, DType::Q4_0, DType::TQ4, DType::TQ3, DType::TQ2}) {
     KvCacheType kv{t, t, FlashAttn::On};
@@ -373,8 +376,8 @@ TEST_P(GpuFlashVsCpu, EveryCacheTypeAgreesWithTheCpu) {
       so.n_ctx = 128;
       so.kv = kv;
       Session s(m, so);
-      std::vector<float> all = s.eval(std::vector<int32_t>(prompt.begin(), prompt.end() - 6), 1);
-      for (size_t i = prompt.size() - 6; i < prompt.size(); ++i) {
+      std::vector<float> all;
+      for (size_t i = 0; i < prompt.size(); ++i) {
         const std::vector<int32_t> one{prompt[i]};
         const std::vector<float>& l = s.eval(one, 1);
         all.insert(all.end(), l.begin(), l.end());
