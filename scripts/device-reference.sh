@@ -42,6 +42,35 @@ REF_LOAD=${REF_LOAD:--mmp 0}
 [ -f "$MODEL" ] || "$BIN/fitmoe" gen-model --arch "$ARCH" --preset "$PRESET" --type q4_k_m -o "$MODEL" | tail -n 1
 echo "== host: $(nproc) cores, $(lscpu | grep 'Model name' | sed 's/  */ /g'); load $(cat /proc/loadavg)"
 
+# REF_KV=1 (issue 21): the KV cache types at depth, fitmoe and the reference in one run. Qwen3.6-35B-A3B
+# at 8 GiB (the reference's anchors placement, q8_0 cache; fitmoe --vram 8G, automatic cache type) at
+# depth 0 and 128k; the Qwen3-30B-A3B shape all on the GPU at depth 32k with f16 and q8_0 (both) and
+# tq3 (fitmoe). Only these, then exit.
+if [ -n "${REF_KV:-}" ]; then
+  OUT=${OUT:-/tmp/fitmoe-out}
+  mkdir -p "$OUT"
+  M35=/tmp/fitmoe-qwen35moe-35b-a3b-q4_k_m.gguf
+  OT35='blk\.([0-9]|[12][0-9])\.ffn_(gate|up|down)_exps\.weight=CPU'
+  D35=${KV_DEPTH35:-131072}
+  [ -f "$M35" ] || "$BIN/fitmoe" gen-model --arch qwen35moe --preset 35b-a3b --type q4_k_m -o "$M35" | tail -n 1
+  echo "== kv: 35B-A3B, reference at its 8 GiB placement ($OT35, pinned, q8_0), depth 0 and $D35"
+  "$BIN/llama-bench" -m "$M35" -ngl 99 -fa 1 -ot "$OT35" -ctk q8_0 -ctv q8_0 $REF_LOAD -ub 2048 -d 0,$D35 -p 0 -n 64 -r 1 2>&1 | grep -E '^\||error|failed' | tee -a "$OUT/kv-ref.md"
+  echo "== kv: 35B-A3B, fitmoe --vram 8G (automatic cache type), depth 0 and $D35"
+  "$BIN/fitmoe" plan -m "$M35" --vram 8G --ctx $((D35 + 65)) 2>&1 | grep -iE 'KV cache|experts' | head -n 4
+  "$BIN/fitmoe" bench -m "$M35" --vram 8G -d 0,$D35 -p 0 -n 64 -r 1 2>/dev/null | grep '^|' | tee -a "$OUT/kv-ref.md"
+  M30=/tmp/fitmoe-q3moe-30b-a3b-q4_k_m.gguf
+  [ -f "$M30" ] || "$BIN/fitmoe" gen-model --arch qwen3moe --preset 30b-a3b --type q4_k_m -o "$M30" | tail -n 1
+  for t in q8_0 f16; do
+    echo "== kv: 30B-A3B all on the GPU, reference -ctk $t -ctv $t, depth 32768"
+    "$BIN/llama-bench" -m "$M30" -ngl 99 -fa 1 -ctk $t -ctv $t -ub 2048 -d 32768 -p 0 -n 64 -r 1 2>&1 | grep -E '^\||error|failed' | tee -a "$OUT/kv-ref.md"
+  done
+  for t in q8_0 tq3 f16; do
+    echo "== kv: 30B-A3B all on the GPU, fitmoe -ctk $t -ctv $t, depth 32768"
+    "$BIN/fitmoe" bench -m "$M30" -ctk $t -ctv $t -d 32768 -p 0 -n 64 -r 1 2>/dev/null | grep '^|' | tail -n 1 | tee -a "$OUT/kv-ref.md"
+  done
+  exit 0
+fi
+
 echo "== reference, all on the GPU, micro-batch 512 and 2048"
 "$BIN/llama-bench" -m "$MODEL" -ngl 99 -fa on -ub 512,2048 -p 512,2048 -n 128 -r 3 2>&1 | tee /tmp/ref-all.log | grep -E '^\||error|failed'
 # A file the reference will not load: its own words why (llama-bench is silent unless -v).
