@@ -326,3 +326,57 @@ TEST(Plan, RecurrentModelChargesKvOnlyForAttentionLayersAndItsFixedState) {
   EXPECT_EQ(p.host_kv, kv_per_pos * 1000 + p.state_bytes);
   EXPECT_NE(p.report().find("recurrent state"), std::string::npos);
 }
+
+// -ctk / -ctv auto: f16 while its cache takes at most half of what is left beside the non-expert
+// weights (or every expert fits anyway), else the first of q8_0, tq4, tq3, tq2 that does, else the
+// smallest that fits; the plan names the choice and why. An explicit type is never replaced.
+TEST(Plan, AutomaticKvCacheTypeFollowsTheRoomBesideTheWeights) {
+  auto has_note = [](const Plan& p, const std::string& what) {
+    for (const auto& n : p.notes)
+      if (n.find(what) != std::string::npos) return true;
+    return false;
+  };
+  PlanOptions po;
+  po.n_ubatch = 512;
+  po.n_ctx = 40000;
+  po.kv.automatic = true;
+  // A big card: f16 (every expert fits beside it).
+  Plan big = plan_for(po);
+  EXPECT_EQ(big.options.kv.k, DType::F16);
+  EXPECT_FALSE(big.options.kv.automatic);
+  EXPECT_TRUE(has_note(big, "KV cache type (automatic): f16")) << big.report();
+
+  // A budget where the f16 cache would take most of the room beside the weights and leave the experts
+  // on the host: a smaller type, named with its bytes and the reason.
+  PlanOptions f16 = po;
+  f16.kv = KvCacheType{};
+  const Plan full = plan_for(f16);
+  PlanOptions tight = po;
+  tight.vram_budget = full.gpu_weights + full.gpu_scratch + full.reserve + full.gpu_kv * 6 / 5;
+  const Plan t = plan_for(tight);
+  EXPECT_NE(t.options.kv.k, DType::F16);
+  EXPECT_TRUE(t.options.kv.flash_on());
+  EXPECT_LE(t.gpu_kv, full.gpu_kv * 17 / 32 + 4096);  // (q8_0: 34 bytes per 32 values, or smaller)
+  EXPECT_TRUE(has_note(t, "KV cache type (automatic): " + t.options.kv.name())) << t.report();
+  EXPECT_TRUE(has_note(t, "f16 (flash) would take") || has_note(t, "f16 would take")) << t.report();
+  EXPECT_NE(t.report().find(t.options.kv.name()), std::string::npos);
+
+  // Explicit f16 at that budget: f16 it is (the experts go to the host), no automatic note.
+  PlanOptions fixed = tight;
+  fixed.kv = KvCacheType{};
+  try {
+    const Plan e = plan_for(fixed);
+    EXPECT_EQ(e.options.kv.k, DType::F16);
+    EXPECT_FALSE(has_note(e, "automatic"));
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("KV cache"), std::string::npos) << err.what();
+  }
+
+  // -fa off with auto: only f16 can be chosen; no GPU: f16 on the host.
+  PlanOptions off = po;
+  off.kv.flash = FlashAttn::Off;
+  EXPECT_EQ(plan_for(off).options.kv.k, DType::F16);
+  PlanOptions cpu = po;
+  cpu.use_gpu = false;
+  EXPECT_EQ(plan_for(cpu).options.kv.k, DType::F16);
+}

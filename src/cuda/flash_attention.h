@@ -9,15 +9,16 @@
 // output of a tq V is rotated back per block.
 //
 // Two kernels:
-// - decode (up to 8 queries, and every size on GPUs without tensor cores): one CTA per (split of the
-//   keys, kv head's group of query heads, query); the group's queries in shared memory, each key's
-//   bytes decoded in registers (no f16 copy of the cache), an online softmax per query head, the splits
-//   merged by a second small kernel that also rotates the output back. The number of splits is fixed
-//   from the host's bound on the keys (so a captured graph stays valid), each split's range from the
-//   device's position.
-// - prefill (more queries, compute capability 7.0 and up): FlashAttention-2 on tensor cores (wmma,
-//   f16 operands, f32 accumulation); K and V tiles are decoded to f16 by the tile loader, the query
-//   heads of one kv head share each tile.
+// - decode (batches under 64 queries, and every size on GPUs without tensor cores): one CTA per
+//   (split of the keys, kv head's group of query heads, query); the group's queries in shared memory
+//   in K's dot format (f16 for an f16 K, q8_0 for q8_0 / q4_0 K, as the reference's one-row kernel
+//   takes them), each tile's K and V bytes staged in shared memory and decoded there (no f16 copy of
+//   the cache), an online softmax per query head in f32, the splits merged by a second small kernel
+//   that also rotates the output back. The number of splits is fixed from the host's bound on the
+//   keys (so a captured graph stays valid), each split's range from the device's position.
+// - prefill (64 queries or more, compute capability 7.0 and up): FlashAttention-2 on tensor cores
+//   (wmma, f16 operands, f32 accumulation); K and V tiles are decoded to f16 by the tile loader, the
+//   query heads of one kv head share each tile.
 #pragma once
 #include <cstddef>
 #include <cstdint>

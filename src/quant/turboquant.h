@@ -16,9 +16,10 @@
 // bytes of 2 low bits + n/8 bytes of high bits; tq2 = f16 scale + n/4 bytes of 2-bit codes. Codes are
 // little-endian within a byte (value i of a group in bits [b*i, b*i + b)).
 //
-// This file is the codec's definition (a plain scalar reference); the CPU's tq caches
-// (runtime/kv_cache.h) code with the least-squares scale, which gave the lower KL divergence on the
-// fixtures (docs/kv-cache.md). Kernels that read the blocks directly are to come (issue 21).
+// This file is the codec's definition (a plain scalar reference); the tq caches (runtime/kv_cache.h)
+// code with the least-squares scale, which gave the lower KL divergence on the fixtures
+// (docs/kv-cache.md). The GPU's store writes the same bytes and its attention reads the blocks
+// directly (cuda/flash_attention.cu).
 #pragma once
 #include <cstddef>
 #include <cstdint>

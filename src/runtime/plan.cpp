@@ -461,7 +461,13 @@ Plan plan_kv_type(const gguf::File& file, const ModelConfig& cfg, const PlanOpti
     candidates.push_back(c);
   }
   std::optional<Plan> smallest;
-  std::string f16_why, last_error;
+  std::string last_error;
+  std::vector<std::string> rejected;  // why each better type was not taken
+  auto why_not = [&] {
+    std::string w;
+    for (const std::string& r : rejected) w += (w.empty() ? "" : "; ") + r;
+    return w;
+  };
   for (const KvCacheType& c : candidates) {
     o.kv = c;
     Plan p;
@@ -469,7 +475,7 @@ Plan plan_kv_type(const gguf::File& file, const ModelConfig& cfg, const PlanOpti
       p = make_plan(file, cfg, o, m);
     } catch (const Error& e) {
       last_error = e.what();
-      if (c.k == DType::F16) f16_why = "f16 does not fit";
+      rejected.push_back(c.name() + " does not fit");
       continue;
     }
     if (!p.use_gpu) return p;
@@ -477,19 +483,19 @@ Plan plan_kv_type(const gguf::File& file, const ModelConfig& cfg, const PlanOpti
     const bool all_experts = p.host_experts == 0;
     smallest = p;
     if (all_experts || p.gpu_kv <= room / 2) {
-      std::string why = all_experts ? "every expert fits beside it" : "it takes " + gib(p.gpu_kv) + " of the " + gib(room) +
-                                                                          " beside the non-expert weights";
-      if (!f16_why.empty()) why += "; " + f16_why;
+      std::string why = all_experts ? "every expert fits beside it"
+                                    : "it takes " + gib(p.gpu_kv) + " of the " + gib(room) + " beside the non-expert weights";
+      if (!rejected.empty()) why += "; " + why_not();
       p.notes.push_back("KV cache type (automatic): " + c.name() + " for " + std::to_string(o.n_ctx) + " tokens, " +
                         gib(p.gpu_kv) + ": " + why + " (-ctk / -ctv choose one)");
       return p;
     }
-    if (f16_why.empty())
-      f16_why = "f16 would take " + gib(p.gpu_kv) + ", more than half of the " + gib(room) + " beside the non-expert weights";
+    rejected.push_back(c.name() + " would take " + gib(p.gpu_kv) + ", more than half of the " + gib(room) +
+                       " beside the non-expert weights");
   }
   if (!smallest) throw Error(last_error);
   smallest->notes.push_back("KV cache type (automatic): " + smallest->options.kv.name() + " for " + std::to_string(o.n_ctx) +
-                            " tokens, " + gib(smallest->gpu_kv) + ": the smallest that fits (" + f16_why + ")");
+                            " tokens, " + gib(smallest->gpu_kv) + ": the smallest that fits (" + why_not() + ")");
   return *smallest;
 }
 
@@ -811,7 +817,7 @@ std::string Plan::report() const {
     s << "\nKV cache at " << options.n_ctx << " tokens by type (-ctk/-ctv):";
     for (size_t i = 0; i < kv_by_type.size(); ++i)
       s << (i ? ", " : " ") << dtype_name(kv_by_type[i].first) << " " << gib(static_cast<double>(kv_by_type[i].second));
-    s << (use_gpu ? "; the GPU engine runs f16 and f32 caches so far (the others on the CPU, --gpu none)\n" : "\n");
+    s << "\n";
   }
   s << "\nplacement by tensor class:\n";
   // Group: per class name (strip blk.N.), count on GPU / host.
