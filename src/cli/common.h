@@ -109,5 +109,6 @@ void register_tokenize(CLI::App& app);
 void register_detokenize(CLI::App& app);
 void register_chat(CLI::App& app);
 void register_perplexity(CLI::App& app);
+void register_serve(CLI::App& app);
 
 }  // namespace fitmoe::cli

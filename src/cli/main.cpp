@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
   fitmoe::cli::register_detokenize(app);
   fitmoe::cli::register_chat(app);
   fitmoe::cli::register_perplexity(app);
+  fitmoe::cli::register_serve(app);
   // The first word names a command; an unknown one gets the list and the nearest name (CLI11 alone says
   // only that a subcommand is required). `fitmoe help [COMMAND]` is --help.
   if (argc > 1 && argv[1][0] != '-') {
@@ -56,6 +57,7 @@ int main(int argc, char** argv) {
     else if (a == "-fa") a = "--flash-attn";
     else if (a == "-ub") a = "--ubatch-size";
     else if (a == "-ctk") a = "--cache-type-k";
+    else if (a == "-np") a = "--parallel";
     else if (a == "-ctv") a = "--cache-type-v";
   }
   std::vector<char*> argp;

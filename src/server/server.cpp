@@ -1,0 +1,495 @@
+// The HTTP server: server.h says what it serves. cpp-httplib does the HTTP (a thread per connection
+// from its pool); nlohmann::json the bodies. One mutex serialises the sequence's use.
+#include "server/server.h"
+
+#include <httplib.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "runtime/error.h"
+#include "text/chat.h"
+#include "text/tokenizer.h"
+
+namespace fitmoe::server {
+
+namespace {
+
+using json = nlohmann::ordered_json;
+
+// A request the server refuses: HTTP status, OpenAI's error type, the field it is about.
+struct HttpError {
+  int status;
+  std::string message, type, param, code;
+};
+
+[[noreturn]] void refuse(const std::string& message, const std::string& param = "", int status = 400,
+                         const std::string& code = "") {
+  throw HttpError{status, message, status == 401 ? "authentication_error" : status >= 500 ? "server_error"
+                                                   : status == 404                       ? "not_found_error"
+                                                   : status == 503                       ? "overloaded_error"
+                                                                                         : "invalid_request_error",
+                  param, code};
+}
+
+// (Text from a request can hold invalid UTF-8, e.g. in a parser's message: replaced, never thrown.)
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+void send_error(httplib::Response& res, const HttpError& e) {
+  json err = {{"message", e.message}, {"type", e.type}};
+  err["param"] = e.param.empty() ? json(nullptr) : json(e.param);
+  err["code"] = e.code.empty() ? json(nullptr) : json(e.code);
+  res.status = e.status;
+  res.set_content(dump(json{{"error", err}}), "application/json");
+}
+
+json parse_body(const httplib::Request& req) {
+  try {
+    json j = json::parse(req.body);
+    if (!j.is_object()) refuse("the request body must be a JSON object");
+    return j;
+  } catch (const json::exception& e) {
+    refuse(std::string("the request body is not valid JSON: ") + e.what());
+  }
+}
+
+// Typed optional fields, range-checked; absent or null gives the default.
+double number_field(const json& b, const char* k, double def, double lo, double hi) {
+  if (!b.contains(k) || b[k].is_null()) return def;
+  if (!b[k].is_number()) refuse(std::string("'") + k + "' must be a number", k);
+  const double v = b[k].get<double>();
+  if (!(v >= lo && v <= hi))
+    refuse(std::string("'") + k + "' must be between " + std::to_string(lo) + " and " + std::to_string(hi), k);
+  return v;
+}
+int64_t int_field(const json& b, const char* k, int64_t def, int64_t lo, int64_t hi) {
+  if (!b.contains(k) || b[k].is_null()) return def;
+  if (!b[k].is_number_integer() && !b[k].is_number_unsigned())
+    refuse(std::string("'") + k + "' must be an integer", k);
+  if (b[k].is_number_unsigned() && b[k].get<uint64_t>() > static_cast<uint64_t>(hi))
+    refuse(std::string("'") + k + "' must be at most " + std::to_string(hi), k);
+  const int64_t v = b[k].get<int64_t>();
+  if (v < lo || v > hi)
+    refuse(std::string("'") + k + "' must be between " + std::to_string(lo) + " and " + std::to_string(hi), k);
+  return v;
+}
+bool bool_field(const json& b, const char* k, bool def) {
+  if (!b.contains(k) || b[k].is_null()) return def;
+  if (!b[k].is_boolean()) refuse(std::string("'") + k + "' must be true or false", k);
+  return b[k].get<bool>();
+}
+
+size_t common_prefix(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+  size_t n = 0;
+  while (n < a.size() && n < b.size() && a[n] == b[n]) ++n;
+  return n;
+}
+
+// What one generation needs, checked before any work.
+struct GenRequest {
+  std::vector<int32_t> prompt;
+  int max_tokens = 0;
+  SamplerParams sampler;
+  std::vector<std::string> stop;
+  bool stream = false, include_usage = false;
+};
+
+struct GenResult {
+  std::string text;
+  std::string finish = "length";
+  int n_prompt = 0, n_completion = 0;
+  bool cancelled = false;
+};
+
+int64_t now_seconds() {
+  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+struct Server::Impl {
+  const Model& model;
+  ServerOptions opt;
+  std::unique_ptr<Tokenizer> tok;
+  Session session;
+  std::mutex mu;                 // the sequence, one request at a time
+  std::atomic<int> waiting{0};   // requests queued behind it
+  std::atomic<uint64_t> next_id{1};
+  httplib::Server http;
+  int port = -1;
+
+  Impl(const Model& m, const SessionOptions& so, const ServerOptions& o)
+      : model(m), opt(o), tok(Tokenizer::from_gguf(m.file())), session(m, so) {
+    if (opt.parallel != 1)
+      throw Error("--parallel " + std::to_string(opt.parallel) +
+                  ": the server runs one sequence so far (several sequences per engine are not implemented yet)");
+    if (opt.alias.empty()) opt.alias = m.config().name.empty() ? "fitmoe" : m.config().name;
+    routes();
+  }
+
+  void check_model(const json& b) {
+    if (!b.contains("model") || b["model"].is_null()) return;
+    if (!b["model"].is_string()) refuse("'model' must be a string", "model");
+    const std::string name = b["model"].get<std::string>();
+    if (name != opt.alias) refuse("the model '" + name + "' does not exist (this server has '" + opt.alias + "')", "model", 404,
+                                  "model_not_found");
+  }
+
+  // The fields chat and completions share.
+  void common_fields(const json& b, GenRequest& g) {
+    check_model(b);
+    if (int_field(b, "n", 1, 1, 1 << 20) != 1) refuse("'n' must be 1 (one choice per request)", "n");
+    int64_t max_tokens = int_field(b, "max_completion_tokens", -1, 1, 1 << 30);
+    if (max_tokens < 0) max_tokens = int_field(b, "max_tokens", opt.default_max_tokens, 1, 1 << 30);
+    g.max_tokens = static_cast<int>(max_tokens);
+    g.sampler = opt.sampler;
+    g.sampler.temperature = static_cast<float>(number_field(b, "temperature", opt.sampler.temperature, 0, 2));
+    g.sampler.top_p = static_cast<float>(number_field(b, "top_p", opt.sampler.top_p, 0, 1));
+    g.sampler.top_k = static_cast<int>(int_field(b, "top_k", opt.sampler.top_k, 0, 1 << 30));
+    g.sampler.min_p = static_cast<float>(number_field(b, "min_p", opt.sampler.min_p, 0, 1));
+    g.sampler.seed = static_cast<uint64_t>(int_field(b, "seed", static_cast<int64_t>(opt.sampler.seed & 0x7fffffffffffffffULL),
+                                                     INT64_MIN, INT64_MAX));
+    if (b.contains("stop") && !b["stop"].is_null()) {
+      const json& s = b["stop"];
+      if (s.is_string()) {
+        g.stop.push_back(s.get<std::string>());
+      } else if (s.is_array() && s.size() <= 16) {
+        for (const auto& x : s) {
+          if (!x.is_string()) refuse("'stop' must be a string or a list of strings", "stop");
+          g.stop.push_back(x.get<std::string>());
+        }
+      } else {
+        refuse("'stop' must be a string or a list of at most 16 strings", "stop");
+      }
+      g.stop.erase(std::remove(g.stop.begin(), g.stop.end(), std::string()), g.stop.end());
+    }
+    g.stream = bool_field(b, "stream", false);
+    if (b.contains("stream_options") && !b["stream_options"].is_null()) {
+      if (!b["stream_options"].is_object()) refuse("'stream_options' must be an object", "stream_options");
+      g.include_usage = bool_field(b["stream_options"], "include_usage", false);
+    }
+    const int n_ctx = session.n_ctx();
+    if (static_cast<int>(g.prompt.size()) >= n_ctx)
+      refuse("the prompt is " + std::to_string(g.prompt.size()) + " tokens; the context holds " + std::to_string(n_ctx) +
+                 " and the answer needs at least one more",
+             "messages", 400, "context_length_exceeded");
+  }
+
+  GenRequest chat_request(const json& b) {
+    if (!b.contains("messages") || !b["messages"].is_array() || b["messages"].empty())
+      refuse("'messages' must be a non-empty list", "messages");
+    std::vector<ChatMessage> msgs;
+    for (const auto& m : b["messages"]) {
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+        refuse("each message must be an object with a 'role'", "messages");
+      std::string role = m["role"].get<std::string>();
+      if (role == "developer") role = "system";
+      if (role != "system" && role != "user" && role != "assistant" && role != "tool")
+        refuse("unknown message role '" + role + "' (system, developer, user, assistant, tool)", "messages");
+      ChatMessage cm{role, "", nullptr};
+      const json c = m.contains("content") ? m["content"] : json(nullptr);
+      if (c.is_string()) {
+        cm.content = c.get<std::string>();
+      } else if (c.is_array()) {
+        for (const auto& part : c) {
+          if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+            refuse("only text content parts are supported ({\"type\": \"text\", \"text\": ...})", "messages");
+          cm.content += part["text"].get<std::string>();
+        }
+      } else if (!c.is_null()) {
+        refuse("a message's 'content' must be a string, a list of text parts or null", "messages");
+      }
+      json extra = json::object();
+      for (const char* k : {"tool_calls", "name", "tool_call_id", "reasoning_content"})
+        if (m.contains(k)) extra[k] = m[k];
+      if (!extra.empty()) cm.extra = extra;
+      msgs.push_back(std::move(cm));
+    }
+    json ctx = json::object();
+    if (b.contains("tools") && !b["tools"].is_null()) {
+      if (!b["tools"].is_array()) refuse("'tools' must be a list", "tools");
+      ctx["tools"] = b["tools"];
+    }
+    if (b.contains("chat_template_kwargs") && !b["chat_template_kwargs"].is_null()) {
+      if (!b["chat_template_kwargs"].is_object()) refuse("'chat_template_kwargs' must be an object", "chat_template_kwargs");
+      for (const auto& [k, v] : b["chat_template_kwargs"].items()) ctx[k] = v;
+    }
+    GenRequest g;
+    std::string text;
+    try {
+      text = apply_chat_template(*tok, msgs, true, ctx);
+    } catch (const Error& e) {
+      refuse(std::string("the chat template cannot render these messages: ") + e.what(), "messages");
+    }
+    g.prompt = tok->encode(text, /*add_special=*/true);
+    common_fields(b, g);
+    return g;
+  }
+
+  GenRequest completion_request(const json& b) {
+    if (!b.contains("prompt")) refuse("'prompt' is required", "prompt");
+    GenRequest g;
+    const json& p = b["prompt"];
+    if (p.is_string()) {
+      g.prompt = tok->encode(p.get<std::string>(), /*add_special=*/true);
+    } else if (p.is_array() && !p.empty() && std::all_of(p.begin(), p.end(), [](const json& x) { return x.is_number_integer(); })) {
+      const int n_vocab = model.config().n_vocab;
+      for (const auto& x : p) {
+        const int64_t id = x.get<int64_t>();
+        if (id < 0 || id >= n_vocab) refuse("token id " + std::to_string(id) + " is outside the vocabulary", "prompt");
+        g.prompt.push_back(static_cast<int32_t>(id));
+      }
+    } else {
+      refuse("'prompt' must be a string or a list of token ids", "prompt");
+    }
+    if (g.prompt.empty()) refuse("the prompt is empty", "prompt");
+    common_fields(b, g);
+    return g;
+  }
+
+  // Runs one generation on the sequence (the caller holds mu). emit(text) gets each piece of the
+  // answer that is final (text that could still turn into a stop string is held back); false from it
+  // cancels. Evaluates only the part of the prompt the sequence does not hold already.
+  GenResult generate(const GenRequest& g, const std::function<bool(const std::string&)>& emit) {
+    Session& s = session;
+    GenResult r;
+    r.n_prompt = static_cast<int>(g.prompt.size());
+    size_t keep = common_prefix(g.prompt, s.history());
+    if (keep == g.prompt.size()) --keep;  // (the last prompt token is evaluated for its logits)
+    s.truncate(static_cast<int>(keep));
+    const std::vector<int32_t> fresh(g.prompt.begin() + static_cast<long>(keep), g.prompt.end());
+    const int room = s.n_ctx() - static_cast<int>(g.prompt.size());
+    const int budget = std::min(g.max_tokens, room);
+    Sampler sampler(g.sampler);
+    StreamDecoder dec(*tok);
+    size_t sent = 0;
+    bool stopped = false;
+    // The longest tail of text that is a proper prefix of a stop string: held back.
+    auto held = [&](const std::string& t) {
+      size_t h = 0;
+      for (const std::string& st : g.stop)
+        for (size_t n = std::min(st.size() - 1, t.size()); n > h; --n)
+          if (t.compare(t.size() - n, n, st, 0, n) == 0) {
+            h = n;
+            break;
+          }
+      return h;
+    };
+    auto flush_to = [&](size_t end) {
+      if (end > sent) {
+        if (!emit(r.text.substr(sent, end - sent))) r.cancelled = true;
+        sent = end;
+      }
+      return !r.cancelled;
+    };
+    GenerationStats st;
+    s.generate(fresh, budget, sampler, [&](int32_t t) {
+      if (tok->is_eog(t)) {
+        r.finish = "stop";
+        return false;
+      }
+      r.text += dec.push(t);
+      for (const std::string& stop : g.stop) {
+        const size_t from = sent > stop.size() ? sent - stop.size() : 0;
+        const size_t at = r.text.find(stop, from);
+        if (at != std::string::npos) {
+          r.text.resize(at);
+          r.finish = "stop";
+          stopped = true;
+          flush_to(r.text.size());
+          return false;
+        }
+      }
+      return flush_to(r.text.size() - held(r.text));
+    }, tok->eog_tokens(), &st);
+    if (!stopped && !r.cancelled) {
+      r.text += dec.flush();
+      flush_to(r.text.size());
+    }
+    r.n_completion = st.n_generated;
+    s.checkpoint();  // (a recurrent state: the next request continues from here without re-evaluation)
+    return r;
+  }
+
+  // Queue bookkeeping around the sequence's lock.
+  struct Turn {
+    Impl& i;
+    std::unique_lock<std::mutex> lock;
+    explicit Turn(Impl& impl) : i(impl) {
+      if (i.waiting.fetch_add(1) >= i.opt.max_queue) {
+        i.waiting.fetch_sub(1);
+        refuse("the server is busy: " + std::to_string(i.opt.max_queue) + " requests are waiting", "", 503);
+      }
+      lock = std::unique_lock<std::mutex>(i.mu);
+      i.waiting.fetch_sub(1);
+    }
+  };
+
+  json usage(const GenResult& r) const {
+    return {{"prompt_tokens", r.n_prompt}, {"completion_tokens", r.n_completion}, {"total_tokens", r.n_prompt + r.n_completion}};
+  }
+
+  // Chat and completions: the same flow, different shapes of the answer.
+  void serve_generation(const httplib::Request& req, httplib::Response& res, bool chat) {
+    const json body = parse_body(req);
+    GenRequest g = chat ? chat_request(body) : completion_request(body);
+    const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id.fetch_add(1));
+    const int64_t created = now_seconds();
+    const char* object = chat ? "chat.completion" : "text_completion";
+    if (!g.stream) {
+      Turn turn(*this);
+      const GenResult r = generate(g, [](const std::string&) { return true; });
+      json choice = {{"index", 0}};
+      if (chat) choice["message"] = {{"role", "assistant"}, {"content", r.text}};
+      else choice["text"] = r.text, choice["logprobs"] = nullptr;
+      choice["finish_reason"] = r.finish;
+      json out = {{"id", id}, {"object", object}, {"created", created}, {"model", opt.alias}, {"choices", json::array({choice})},
+                  {"usage", usage(r)}};
+      res.set_content(dump(out), "application/json");
+      return;
+    }
+    // Streaming: server-sent events, one chunk per piece of text, then the finish, the usage if asked,
+    // and [DONE]. The generation runs in the provider, on the connection's thread.
+    auto turn = std::make_shared<std::unique_ptr<Turn>>(std::make_unique<Turn>(*this));
+    res.set_header("Cache-Control", "no-cache");
+    res.set_chunked_content_provider("text/event-stream", [this, g, id, created, chat, turn](size_t, httplib::DataSink& sink) {
+      const char* chunk_object = chat ? "chat.completion.chunk" : "text_completion";
+      auto event = [&](const json& j) {
+        const std::string s = "data: " + dump(j) + "\n\n";
+        return sink.write(s.data(), s.size());
+      };
+      auto chunk = [&](const json& delta_or_text, const json& finish) {
+        json choice = {{"index", 0}};
+        if (chat) choice["delta"] = delta_or_text;
+        else choice["text"] = delta_or_text, choice["logprobs"] = nullptr;
+        choice["finish_reason"] = finish;
+        return event({{"id", id}, {"object", chunk_object}, {"created", created}, {"model", opt.alias},
+                      {"choices", json::array({choice})}});
+      };
+      bool ok = !chat || chunk(json{{"role", "assistant"}, {"content", ""}}, nullptr);
+      GenResult r;
+      if (ok) {
+        r = generate(g, [&](const std::string& piece) {
+          return chunk(chat ? json{{"content", piece}} : json(piece), nullptr);
+        });
+        ok = !r.cancelled;
+      }
+      turn->reset();  // the sequence is free for the next request
+      if (ok) ok = chunk(chat ? json::object() : json(""), r.finish);
+      if (ok && g.include_usage)
+        ok = event({{"id", id}, {"object", chunk_object}, {"created", created}, {"model", opt.alias},
+                    {"choices", json::array()}, {"usage", usage(r)}});
+      if (ok) {
+        const std::string done = "data: [DONE]\n\n";
+        sink.write(done.data(), done.size());
+      }
+      sink.done();
+      return true;
+    });
+  }
+
+  void routes() {
+    auto guarded = [this](auto fn) {
+      return [this, fn](const httplib::Request& req, httplib::Response& res) {
+        try {
+          fn(req, res);
+        } catch (const HttpError& e) {
+          send_error(res, e);
+        } catch (const json::exception& e) {
+          send_error(res, HttpError{400, std::string("the request does not have the expected shape: ") + e.what(),
+                                    "invalid_request_error", "", ""});
+        } catch (const std::exception& e) {
+          send_error(res, HttpError{500, e.what(), "server_error", "", ""});
+        }
+      };
+    };
+    http.set_payload_max_length(opt.max_body);
+    http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+      if (opt.api_key.empty() || req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
+      const std::string auth = req.get_header_value("Authorization");
+      const std::string want = "Bearer " + opt.api_key;
+      const std::string xkey = req.get_header_value("x-api-key");  // (Anthropic's header)
+      if (auth == want || xkey == opt.api_key) return httplib::Server::HandlerResponse::Unhandled;
+      send_error(res, HttpError{401, auth.empty() && xkey.empty() ? "an API key is required (Authorization: Bearer KEY)"
+                                                                  : "the API key is not valid",
+                                "authentication_error", "", "invalid_api_key"});
+      return httplib::Server::HandlerResponse::Handled;
+    });
+    // Bodies for httplib's own refusals (404 no such path, 413 body too large, 400 bad HTTP), as JSON.
+    http.set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+      if (!res.body.empty()) return;
+      std::string msg = res.status == 404   ? "no such endpoint: " + req.method + " " + req.path
+                        : res.status == 413 ? "the request body is too large"
+                        : res.status == 405 ? "method not allowed"
+                                            : "bad request";
+      send_error(res, HttpError{res.status, msg, res.status == 404 ? "not_found_error" : "invalid_request_error", "", ""});
+    });
+    http.Get("/health", [](const httplib::Request&, httplib::Response& res) {
+      res.set_content(dump(json{{"status", "ok"}}), "application/json");
+    });
+    http.Get("/v1/models", guarded([this](const httplib::Request&, httplib::Response& res) {
+      json m = {{"id", opt.alias}, {"object", "model"}, {"created", now_seconds()}, {"owned_by", "fitmoe"}};
+      res.set_content(dump(json{{"object", "list"}, {"data", json::array({m})}}), "application/json");
+    }));
+    http.Post("/v1/chat/completions", guarded([this](const httplib::Request& req, httplib::Response& res) {
+      serve_generation(req, res, true);
+    }));
+    http.Post("/v1/completions", guarded([this](const httplib::Request& req, httplib::Response& res) {
+      serve_generation(req, res, false);
+    }));
+    http.Post("/tokenize", guarded([this](const httplib::Request& req, httplib::Response& res) {
+      const json b = parse_body(req);
+      if (!b.contains("content") || !b["content"].is_string()) refuse("'content' must be a string", "content");
+      const bool special = bool_field(b, "add_special", false);
+      res.set_content(dump(json{{"tokens", tok->encode(b["content"].get<std::string>(), special)}}), "application/json");
+    }));
+    http.Post("/detokenize", guarded([this](const httplib::Request& req, httplib::Response& res) {
+      const json b = parse_body(req);
+      if (!b.contains("tokens") || !b["tokens"].is_array()) refuse("'tokens' must be a list of token ids", "tokens");
+      std::vector<int32_t> ids;
+      const int n_vocab = model.config().n_vocab;
+      for (const auto& x : b["tokens"]) {
+        if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() >= n_vocab)
+          refuse("'tokens' must hold ids from 0 to " + std::to_string(n_vocab - 1), "tokens");
+        ids.push_back(static_cast<int32_t>(x.get<int64_t>()));
+      }
+      // (JSON needs valid UTF-8: ids that split a character come back with U+FFFD in its place)
+      StreamDecoder dec(*tok);
+      std::string safe;
+      for (int32_t id : ids) safe += dec.push(id);
+      safe += dec.flush();
+      res.set_content(dump(json{{"content", safe}}), "application/json");
+    }));
+  }
+};
+
+Server::Server(const Model& model, const SessionOptions& session, const ServerOptions& options)
+    : impl_(std::make_unique<Impl>(model, session, options)) {}
+Server::~Server() { stop(); }
+
+int Server::bind() {
+  Impl& i = *impl_;
+  if (i.opt.port < 0 || i.opt.port > 65535) throw Error("--port " + std::to_string(i.opt.port) + ": a port from 0 to 65535");
+  if (i.opt.port == 0) {
+    i.port = i.http.bind_to_any_port(i.opt.host);
+  } else {
+    i.port = i.http.bind_to_port(i.opt.host, i.opt.port) ? i.opt.port : -1;
+  }
+  if (i.port <= 0)
+    throw Error("cannot listen on " + i.opt.host + ":" + std::to_string(i.opt.port) + " (in use, or not an address of this machine)");
+  return i.port;
+}
+
+void Server::run() { impl_->http.listen_after_bind(); }
+
+void Server::stop() {
+  if (impl_ && impl_->http.is_running()) impl_->http.stop();
+}
+
+}  // namespace fitmoe::server

@@ -1,0 +1,352 @@
+// The HTTP server against the engine, over real sockets on 127.0.0.1: greedy answers equal the
+// session's own generation (alone, streamed, and on later turns that reuse the cached prompt), the
+// OpenAI shapes, and the 4xx answers for bad requests; then the `fitmoe serve` binary started and
+// stopped with SIGTERM.
+#ifdef FITMOE_HAVE_SERVER
+#include <gtest/gtest.h>
+#include <httplib.h>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cli_util.h"
+#include "model/model.h"
+#include "runtime/session.h"
+#include "server/server.h"
+#include "testdata.h"
+#include "text/chat.h"
+#include "text/tokenizer.h"
+
+using namespace fitmoe;
+using json = nlohmann::ordered_json;
+
+namespace {
+
+std::string tiny() { return test::testdata("qwen3moe-tiny/qwen3moe-tiny-f32.gguf"); }
+
+std::unique_ptr<Model> cpu_model() {
+  LoadOptions lo;
+  lo.plan.use_gpu = false;
+  return Model::load(tiny(), lo);
+}
+
+SessionOptions session_opts() {
+  SessionOptions so;
+  so.n_threads = 2;
+  so.n_ctx = 256;
+  return so;
+}
+
+// A server on a free port for one test, its loop on a thread.
+struct Running {
+  server::Server srv;
+  int port;
+  std::thread loop;
+  Running(const Model& m, server::ServerOptions o = {}) : srv(m, session_opts(), with_port0(o)), port(srv.bind()) {
+    loop = std::thread([this] { srv.run(); });
+  }
+  ~Running() {
+    srv.stop();
+    loop.join();
+  }
+  static server::ServerOptions with_port0(server::ServerOptions o) {
+    o.port = 0;
+    o.alias = "tiny";
+    return o;
+  }
+  httplib::Client client() const {
+    httplib::Client c("127.0.0.1", port);
+    c.set_read_timeout(60, 0);
+    return c;
+  }
+};
+
+// The greedy answer the session itself gives for a chat (the reference for the server's).
+std::string greedy_answer(const Model& m, const std::vector<ChatMessage>& msgs, int n) {
+  auto tok = Tokenizer::from_gguf(m.file());
+  Session s(m, session_opts());
+  const auto ids = tok->encode(apply_chat_template(*tok, msgs, true), true);
+  SamplerParams sp;
+  sp.temperature = 0;
+  Sampler sampler(sp);
+  StreamDecoder dec(*tok);
+  std::string out;
+  s.generate(ids, n, sampler, [&](int32_t t) {
+    if (tok->is_eog(t)) return false;
+    out += dec.push(t);
+    return true;
+  }, tok->eog_tokens());
+  return out + dec.flush();
+}
+
+json chat_body(const std::string& user, int max_tokens, bool stream = false) {
+  return {{"model", "tiny"},
+          {"messages", json::array({{{"role", "system"}, {"content", "You are terse."}}, {{"role", "user"}, {"content", user}}})},
+          {"max_tokens", max_tokens},
+          {"temperature", 0},
+          {"stream", stream}};
+}
+
+// The content deltas of an SSE answer, concatenated; *done: whether [DONE] closed it.
+std::string sse_content(const std::string& body, bool* done, json* usage) {
+  std::string out;
+  *done = false;
+  size_t at = 0;
+  while ((at = body.find("data: ", at)) != std::string::npos) {
+    const size_t end = body.find("\n\n", at);
+    const std::string payload = body.substr(at + 6, end - at - 6);
+    at = end;
+    if (payload == "[DONE]") {
+      *done = true;
+      continue;
+    }
+    const json j = json::parse(payload);
+    if (j.contains("usage")) *usage = j["usage"];
+    for (const auto& c : j["choices"])
+      if (c.contains("delta") && c["delta"].contains("content")) out += c["delta"]["content"].get<std::string>();
+  }
+  return out;
+}
+
+void expect_error(const httplib::Result& r, int status, const std::string& words) {
+  ASSERT_TRUE(r) << "no answer";
+  EXPECT_EQ(r->status, status) << r->body;
+  const json j = json::parse(r->body, nullptr, false);
+  ASSERT_TRUE(j.is_object() && j.contains("error")) << r->body;
+  EXPECT_NE(j["error"]["message"].get<std::string>().find(words), std::string::npos) << r->body;
+}
+
+}  // namespace
+
+TEST(Server, ChatAnswersAreTheSessionsGreedyAnswersAloneStreamedAndOnLaterTurns) {
+  auto m = cpu_model();
+  Running run(*m);
+  auto c = run.client();
+  const std::vector<ChatMessage> msgs = {{"system", "You are terse.", nullptr}, {"user", "Say something.", nullptr}};
+  const std::string want = greedy_answer(*m, msgs, 12);
+
+  auto r = c.Post("/v1/chat/completions", chat_body("Say something.", 12).dump(), "application/json");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json j = json::parse(r->body);
+  EXPECT_EQ(j["object"], "chat.completion");
+  EXPECT_EQ(j["model"], "tiny");
+  EXPECT_EQ(j["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(j["choices"][0]["message"]["content"].get<std::string>(), want);
+  EXPECT_TRUE(j["choices"][0]["finish_reason"] == "length" || j["choices"][0]["finish_reason"] == "stop");
+  EXPECT_GT(j["usage"]["prompt_tokens"].get<int>(), 5);
+  EXPECT_EQ(j["usage"]["total_tokens"].get<int>(), j["usage"]["prompt_tokens"].get<int>() + j["usage"]["completion_tokens"].get<int>());
+
+  // Streamed: the same text in pieces, the usage chunk, then [DONE].
+  json sb = chat_body("Say something.", 12, true);
+  sb["stream_options"] = {{"include_usage", true}};
+  auto s = c.Post("/v1/chat/completions", sb.dump(), "application/json");
+  ASSERT_TRUE(s);
+  ASSERT_EQ(s->status, 200) << s->body;
+  EXPECT_NE(s->get_header_value("Content-Type").find("text/event-stream"), std::string::npos);
+  bool done = false;
+  json usage;
+  EXPECT_EQ(sse_content(s->body, &done, &usage), want);
+  EXPECT_TRUE(done);
+  EXPECT_EQ(usage["prompt_tokens"], j["usage"]["prompt_tokens"]);
+
+  // Another conversation, then the first again: the sequence's cache is reused or cut back, the answers
+  // stay the session's.
+  const std::vector<ChatMessage> other = {{"system", "You are terse.", nullptr}, {"user", "Count to three.", nullptr}};
+  auto o = c.Post("/v1/chat/completions", chat_body("Count to three.", 10).dump(), "application/json");
+  ASSERT_TRUE(o);
+  EXPECT_EQ(json::parse(o->body)["choices"][0]["message"]["content"].get<std::string>(), greedy_answer(*m, other, 10));
+  auto again = c.Post("/v1/chat/completions", chat_body("Say something.", 12).dump(), "application/json");
+  ASSERT_TRUE(again);
+  EXPECT_EQ(json::parse(again->body)["choices"][0]["message"]["content"].get<std::string>(), want);
+}
+
+TEST(Server, CompletionsModelsHealthAndTokens) {
+  auto m = cpu_model();
+  Running run(*m);
+  auto c = run.client();
+  auto h = c.Get("/health");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, 200);
+  auto models = c.Get("/v1/models");
+  ASSERT_TRUE(models);
+  EXPECT_EQ(json::parse(models->body)["data"][0]["id"], "tiny");
+
+  auto t = c.Post("/tokenize", json{{"content", "hello world"}}.dump(), "application/json");
+  ASSERT_TRUE(t);
+  ASSERT_EQ(t->status, 200) << t->body;
+  const json ids = json::parse(t->body)["tokens"];
+  EXPECT_FALSE(ids.empty());
+  auto d = c.Post("/detokenize", json{{"tokens", ids}}.dump(), "application/json");
+  ASSERT_TRUE(d);
+  EXPECT_EQ(json::parse(d->body)["content"], "hello world");
+
+  json body = {{"prompt", "Once upon a time"}, {"max_tokens", 6}, {"temperature", 0}};
+  auto r = c.Post("/v1/completions", body.dump(), "application/json");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json j = json::parse(r->body);
+  EXPECT_EQ(j["object"], "text_completion");
+  EXPECT_EQ(j["usage"]["completion_tokens"].get<int>(), 6);
+  // A stop string cuts the answer before it, and the finish reason says so.
+  const std::string text = j["choices"][0]["text"].get<std::string>();
+  if (text.size() >= 2) {
+    body["stop"] = text.substr(1, 1);
+    auto st = c.Post("/v1/completions", body.dump(), "application/json");
+    ASSERT_TRUE(st);
+    const json js = json::parse(st->body);
+    EXPECT_EQ(js["choices"][0]["text"].get<std::string>(), text.substr(0, text.find(text.substr(1, 1))));
+    EXPECT_EQ(js["choices"][0]["finish_reason"], "stop");
+  }
+}
+
+TEST(Server, BadRequestsGetA4xxThatNamesTheProblem) {
+  auto m = cpu_model();
+  server::ServerOptions o;
+  o.max_body = 4096;
+  Running run(*m, o);
+  auto c = run.client();
+  const char* path = "/v1/chat/completions";
+  expect_error(c.Post(path, "{not json", "application/json"), 400, "not valid JSON");
+  expect_error(c.Post(path, "[1, 2]", "application/json"), 400, "JSON object");
+  expect_error(c.Post(path, json{{"messages", json::array()}}.dump(), "application/json"), 400, "messages");
+  json b = chat_body("hi", 4);
+  b["max_tokens"] = -5;
+  expect_error(c.Post(path, b.dump(), "application/json"), 400, "max_tokens");
+  b = chat_body("hi", 4);
+  b["max_tokens"] = "lots";
+  expect_error(c.Post(path, b.dump(), "application/json"), 400, "integer");
+  b = chat_body("hi", 4);
+  b["temperature"] = 7;
+  expect_error(c.Post(path, b.dump(), "application/json"), 400, "temperature");
+  b = chat_body("hi", 4);
+  b["model"] = "gpt-9";
+  expect_error(c.Post(path, b.dump(), "application/json"), 404, "gpt-9");
+  b = chat_body("hi", 4);
+  b["messages"][1]["role"] = "wizard";
+  expect_error(c.Post(path, b.dump(), "application/json"), 400, "wizard");
+  b = chat_body("hi", 4);
+  b["n"] = 3;
+  expect_error(c.Post(path, b.dump(), "application/json"), 400, "'n'");
+  // Invalid UTF-8 in a string, a prompt longer than the context, a body over the limit, no such path.
+  expect_error(c.Post(path, std::string("{\"messages\": [{\"role\": \"user\", \"content\": \"\xff\xfe\"}]}"), "application/json"),
+               400, "JSON");
+  json lp = {{"prompt", json::array()}, {"max_tokens", 4}};
+  for (int i = 0; i < 300; ++i) lp["prompt"].push_back(1);
+  auto big = c.Post("/v1/completions", lp.dump(), "application/json");
+  expect_error(big, 400, "context");
+  EXPECT_EQ(json::parse(big->body)["error"]["code"], "context_length_exceeded");
+  expect_error(c.Post(path, std::string(8000, ' '), "application/json"), 413, "too large");
+  expect_error(c.Get("/v1/nothing"), 404, "no such endpoint");
+  // And it still answers afterwards.
+  auto ok = c.Post(path, chat_body("hi", 2).dump(), "application/json");
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200) << ok->body;
+}
+
+// Hostile and malformed requests in bulk (bounded, loopback only): truncated and mutated bodies, random
+// bytes, wrong types in every field. Each gets an answer below 500; the server answers correctly after.
+TEST(Server, ThousandsOfMalformedRequestsNeverBreakIt) {
+  auto m = cpu_model();
+  Running run(*m);
+  auto c = run.client();
+  const std::string valid = chat_body("Say something.", 1).dump();
+  std::mt19937 rng(7);
+  const std::vector<json> odd_values = {nullptr, -1, 1e308, "x", json::array(), json::object(), true, -0.5, 1 << 30};
+  const char* fields[] = {"messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
+                          "stream_options", "model", "n", "tools", "max_completion_tokens", "chat_template_kwargs"};
+  int answered = 0;
+  for (int i = 0; i < 3000; ++i) {
+    std::string body;
+    switch (i % 4) {
+      case 0: body = valid.substr(0, rng() % valid.size()); break;  // truncated
+      case 1: {                                                     // a byte changed
+        body = valid;
+        body[rng() % body.size()] = static_cast<char>(rng());
+        break;
+      }
+      case 2: {                                                     // random bytes
+        body.resize(rng() % 200);
+        for (char& ch : body) ch = static_cast<char>(rng());
+        break;
+      }
+      default: {                                                    // a field of the wrong type or range
+        json b = json::parse(valid);
+        b[fields[rng() % std::size(fields)]] = odd_values[rng() % odd_values.size()];
+        b["max_tokens"] = 1;
+        body = b.dump();
+      }
+    }
+    auto r = c.Post(i % 8 == 7 ? "/v1/completions" : "/v1/chat/completions", body, "application/json");
+    ASSERT_TRUE(r) << "no answer to request " << i << ": " << body;
+    ASSERT_LT(r->status, 500) << body << " -> " << r->body;
+    ++answered;
+  }
+  EXPECT_EQ(answered, 3000);
+  auto ok = c.Post("/v1/chat/completions", chat_body("Say something.", 4).dump(), "application/json");
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200) << ok->body;
+}
+
+TEST(Server, ApiKeyIsRequiredWhereSet) {
+  auto m = cpu_model();
+  server::ServerOptions o;
+  o.api_key = "sekret";
+  Running run(*m, o);
+  auto c = run.client();
+  expect_error(c.Get("/v1/models"), 401, "API key");
+  httplib::Headers wrong = {{"Authorization", "Bearer nope"}};
+  expect_error(c.Get("/v1/models", wrong), 401, "not valid");
+  httplib::Headers right = {{"Authorization", "Bearer sekret"}};
+  auto r = c.Get("/v1/models", right);
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  auto h = c.Get("/health");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, 200);
+}
+
+TEST(ServerCli, ServesUntilSigtermAndRefusesWhatItCannotRun) {
+  auto bad = test::run_fitmoe("serve -m " + tiny() + " --gpu none --parallel 4 --port 0");
+  EXPECT_NE(bad.code, 0);
+  EXPECT_NE(bad.err.find("--parallel 4"), std::string::npos) << bad.err;
+
+  int out[2];
+  ASSERT_EQ(pipe(out), 0);
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    dup2(out[1], 1);
+    close(out[0]);
+    close(out[1]);
+    execl(FITMOE_BINARY, FITMOE_BINARY, "serve", "-m", tiny().c_str(), "--gpu", "none", "--port", "0", "-c", "256",
+          static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  close(out[1]);
+  std::string line;
+  char ch;
+  while (read(out[0], &ch, 1) == 1 && ch != '\n') line += ch;
+  close(out[0]);
+  const size_t colon = line.rfind(':');
+  ASSERT_NE(colon, std::string::npos) << line;
+  const int port = std::stoi(line.substr(colon + 1));
+  httplib::Client c("127.0.0.1", port);
+  auto h = c.Get("/health");
+  ASSERT_TRUE(h) << line;
+  EXPECT_EQ(h->status, 200);
+  kill(pid, SIGTERM);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status)) << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+#endif  // FITMOE_HAVE_SERVER
