@@ -295,6 +295,70 @@ TEST(Server, ThousandsOfMalformedRequestsNeverBreakIt) {
   EXPECT_EQ(ok->status, 200) << ok->body;
 }
 
+// Anthropic's Messages API: the same greedy answer in its shape, its streaming events in order, its
+// error body; and /metrics counting what was served (the repeated prompt found in the cache).
+TEST(Server, AnthropicMessagesAndMetrics) {
+  auto m = cpu_model();
+  Running run(*m);
+  auto c = run.client();
+  const std::vector<ChatMessage> msgs = {{"system", "You are terse.", nullptr}, {"user", "Say something.", nullptr}};
+  const std::string want = greedy_answer(*m, msgs, 12);
+  json b = {{"model", "tiny"}, {"max_tokens", 12}, {"temperature", 0}, {"system", "You are terse."},
+            {"messages", json::array({{{"role", "user"}, {"content", json::array({{{"type", "text"}, {"text", "Say something."}}})}}})}};
+  auto r = c.Post("/v1/messages", b.dump(), "application/json");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json j = json::parse(r->body);
+  EXPECT_EQ(j["type"], "message");
+  EXPECT_EQ(j["role"], "assistant");
+  EXPECT_EQ(j["content"][0]["type"], "text");
+  EXPECT_EQ(j["content"][0]["text"].get<std::string>(), want);
+  EXPECT_TRUE(j["stop_reason"] == "end_turn" || j["stop_reason"] == "max_tokens") << j["stop_reason"];
+  EXPECT_GT(j["usage"]["input_tokens"].get<int>(), 5);
+
+  b["stream"] = true;
+  auto s = c.Post("/v1/messages", b.dump(), "application/json");
+  ASSERT_TRUE(s);
+  ASSERT_EQ(s->status, 200) << s->body;
+  std::vector<std::string> names;
+  std::string text;
+  size_t at = 0;
+  while ((at = s->body.find("event: ", at)) != std::string::npos) {
+    const size_t nl = s->body.find('\n', at);
+    names.push_back(s->body.substr(at + 7, nl - at - 7));
+    const size_t data = s->body.find("data: ", nl);
+    const size_t end = s->body.find("\n\n", data);
+    const json e = json::parse(s->body.substr(data + 6, end - data - 6));
+    EXPECT_EQ(e["type"], names.back());
+    if (names.back() == "content_block_delta") text += e["delta"]["text"].get<std::string>();
+    at = end;
+  }
+  ASSERT_GE(names.size(), 5u);
+  EXPECT_EQ(names.front(), "message_start");
+  EXPECT_EQ(names[1], "content_block_start");
+  EXPECT_EQ(names[names.size() - 3], "content_block_stop");
+  EXPECT_EQ(names[names.size() - 2], "message_delta");
+  EXPECT_EQ(names.back(), "message_stop");
+  EXPECT_EQ(text, want);
+
+  json nomax = b;
+  nomax.erase("max_tokens");
+  auto e = c.Post("/v1/messages", nomax.dump(), "application/json");
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->status, 400);
+  const json ej = json::parse(e->body);
+  EXPECT_EQ(ej["type"], "error");
+  EXPECT_EQ(ej["error"]["type"], "invalid_request_error");
+  EXPECT_NE(ej["error"]["message"].get<std::string>().find("max_tokens"), std::string::npos);
+
+  auto mt = c.Get("/metrics");
+  ASSERT_TRUE(mt);
+  EXPECT_EQ(mt->status, 200);
+  EXPECT_NE(mt->body.find("fitmoe_requests_total 2"), std::string::npos) << mt->body;
+  EXPECT_NE(mt->body.find("fitmoe_requests_refused_total 1"), std::string::npos) << mt->body;
+  EXPECT_EQ(mt->body.find("fitmoe_prompt_tokens_reused_total 0\n"), std::string::npos) << mt->body;  // the second found the first's
+}
+
 TEST(Server, ApiKeyIsRequiredWhereSet) {
   auto m = cpu_model();
   server::ServerOptions o;

@@ -41,7 +41,15 @@ struct HttpError {
 // (Text from a request can hold invalid UTF-8, e.g. in a parser's message: replaced, never thrown.)
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
-void send_error(httplib::Response& res, const HttpError& e) {
+// OpenAI's error body, or Anthropic's ({"type": "error", "error": {"type", "message"}}) on /v1/messages.
+void send_error(httplib::Response& res, const HttpError& e, bool anthropic = false) {
+  if (anthropic) {
+    const std::string type = e.status == 413 ? "request_too_large" : e.status == 503 ? "overloaded_error"
+                             : e.status >= 500 ? "api_error" : e.type;
+    res.status = e.status;
+    res.set_content(dump(json{{"type", "error"}, {"error", {{"type", type}, {"message", e.message}}}}), "application/json");
+    return;
+  }
   json err = {{"message", e.message}, {"type", e.type}};
   err["param"] = e.param.empty() ? json(nullptr) : json(e.param);
   err["code"] = e.code.empty() ? json(nullptr) : json(e.code);
@@ -102,8 +110,10 @@ struct GenRequest {
 
 struct GenResult {
   std::string text;
-  std::string finish = "length";
-  int n_prompt = 0, n_completion = 0;
+  std::string finish = "length";  // "stop" (end of turn or a stop string) or "length"
+  std::string stop_hit;           // the stop string that ended it, if one did
+  int n_prompt = 0, n_completion = 0, n_reused = 0;
+  double prompt_tps = 0, decode_tps = 0;
   bool cancelled = false;
 };
 
@@ -123,6 +133,11 @@ struct Server::Impl {
   std::atomic<uint64_t> next_id{1};
   httplib::Server http;
   int port = -1;
+  // /metrics (written under mu, read without it: figures for a dashboard, not a ledger)
+  struct Metrics {
+    std::atomic<uint64_t> requests{0}, prompt_tokens{0}, reused_tokens{0}, completion_tokens{0}, refused{0};
+    std::atomic<double> last_prompt_tps{0}, last_decode_tps{0};
+  } metrics;
 
   Impl(const Model& m, const SessionOptions& so, const ServerOptions& o)
       : model(m), opt(o), tok(Tokenizer::from_gguf(m.file())), session(m, so) {
@@ -174,11 +189,70 @@ struct Server::Impl {
       if (!b["stream_options"].is_object()) refuse("'stream_options' must be an object", "stream_options");
       g.include_usage = bool_field(b["stream_options"], "include_usage", false);
     }
+    check_length(g);
+  }
+
+  void check_length(const GenRequest& g) {
     const int n_ctx = session.n_ctx();
     if (static_cast<int>(g.prompt.size()) >= n_ctx)
       refuse("the prompt is " + std::to_string(g.prompt.size()) + " tokens; the context holds " + std::to_string(n_ctx) +
                  " and the answer needs at least one more",
              "messages", 400, "context_length_exceeded");
+  }
+
+  std::vector<int32_t> render(const std::vector<ChatMessage>& msgs, const json& ctx) {
+    std::string text;
+    try {
+      text = apply_chat_template(*tok, msgs, true, ctx);
+    } catch (const Error& e) {
+      refuse(std::string("the chat template cannot render these messages: ") + e.what(), "messages");
+    }
+    return tok->encode(text, /*add_special=*/true);
+  }
+
+  // Anthropic's Messages API: system apart, content as text blocks, max_tokens required.
+  GenRequest messages_request(const json& b) {
+    check_model(b);
+    auto text_of = [](const json& c, const char* what) {
+      if (c.is_string()) return c.get<std::string>();
+      if (!c.is_array()) refuse(std::string(what) + " must be a string or a list of text blocks", what);
+      std::string t;
+      for (const auto& blk : c) {
+        if (!blk.is_object() || blk.value("type", "") != "text" || !blk.contains("text") || !blk["text"].is_string())
+          refuse(std::string("only text blocks are supported in ") + what + " ({\"type\": \"text\", \"text\": ...})", what);
+        t += blk["text"].get<std::string>();
+      }
+      return t;
+    };
+    std::vector<ChatMessage> msgs;
+    if (b.contains("system") && !b["system"].is_null()) msgs.push_back({"system", text_of(b["system"], "system"), nullptr});
+    if (!b.contains("messages") || !b["messages"].is_array() || b["messages"].empty())
+      refuse("'messages' must be a non-empty list", "messages");
+    for (const auto& m : b["messages"]) {
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content"))
+        refuse("each message must be an object with 'role' and 'content'", "messages");
+      const std::string role = m["role"].get<std::string>();
+      if (role != "user" && role != "assistant") refuse("unknown message role '" + role + "' (user, assistant)", "messages");
+      msgs.push_back({role, text_of(m["content"], "messages"), nullptr});
+    }
+    if (!b.contains("max_tokens")) refuse("'max_tokens' is required", "max_tokens");
+    GenRequest g;
+    g.prompt = render(msgs, json::object());
+    g.max_tokens = static_cast<int>(int_field(b, "max_tokens", 1, 1, 1 << 30));
+    g.sampler = opt.sampler;
+    g.sampler.temperature = static_cast<float>(number_field(b, "temperature", opt.sampler.temperature, 0, 1));
+    g.sampler.top_p = static_cast<float>(number_field(b, "top_p", opt.sampler.top_p, 0, 1));
+    g.sampler.top_k = static_cast<int>(int_field(b, "top_k", opt.sampler.top_k, 0, 1 << 30));
+    if (b.contains("stop_sequences") && !b["stop_sequences"].is_null()) {
+      if (!b["stop_sequences"].is_array()) refuse("'stop_sequences' must be a list of strings", "stop_sequences");
+      for (const auto& x : b["stop_sequences"]) {
+        if (!x.is_string()) refuse("'stop_sequences' must be a list of strings", "stop_sequences");
+        if (!x.get<std::string>().empty()) g.stop.push_back(x.get<std::string>());
+      }
+    }
+    g.stream = bool_field(b, "stream", false);
+    check_length(g);
+    return g;
   }
 
   GenRequest chat_request(const json& b) {
@@ -221,13 +295,7 @@ struct Server::Impl {
       for (const auto& [k, v] : b["chat_template_kwargs"].items()) ctx[k] = v;
     }
     GenRequest g;
-    std::string text;
-    try {
-      text = apply_chat_template(*tok, msgs, true, ctx);
-    } catch (const Error& e) {
-      refuse(std::string("the chat template cannot render these messages: ") + e.what(), "messages");
-    }
-    g.prompt = tok->encode(text, /*add_special=*/true);
+    g.prompt = render(msgs, ctx);
     common_fields(b, g);
     return g;
   }
@@ -301,6 +369,7 @@ struct Server::Impl {
         if (at != std::string::npos) {
           r.text.resize(at);
           r.finish = "stop";
+          r.stop_hit = stop;
           stopped = true;
           flush_to(r.text.size());
           return false;
@@ -313,6 +382,15 @@ struct Server::Impl {
       flush_to(r.text.size());
     }
     r.n_completion = st.n_generated;
+    r.n_reused = static_cast<int>(keep);
+    r.prompt_tps = st.prompt_tps();
+    r.decode_tps = st.generate_tps();
+    metrics.requests++;
+    metrics.prompt_tokens += r.n_prompt;
+    metrics.reused_tokens += r.n_reused;
+    metrics.completion_tokens += r.n_completion;
+    metrics.last_prompt_tps = r.prompt_tps;
+    metrics.last_decode_tps = r.decode_tps;
     s.checkpoint();  // (a recurrent state: the next request continues from here without re-evaluation)
     return r;
   }
@@ -394,19 +472,95 @@ struct Server::Impl {
     });
   }
 
+  // POST /v1/messages: Anthropic's answer shape and, streaming, its event sequence.
+  void serve_messages(const httplib::Request& req, httplib::Response& res) {
+    const json body = parse_body(req);
+    GenRequest g = messages_request(body);
+    const std::string id = "msg_" + std::to_string(next_id.fetch_add(1));
+    auto stop_reason = [](const GenResult& r) {
+      return r.finish == "length" ? "max_tokens" : r.stop_hit.empty() ? "end_turn" : "stop_sequence";
+    };
+    auto stop_sequence = [](const GenResult& r) { return r.stop_hit.empty() ? json(nullptr) : json(r.stop_hit); };
+    if (!g.stream) {
+      Turn turn(*this);
+      const GenResult r = generate(g, [](const std::string&) { return true; });
+      json out = {{"id", id}, {"type", "message"}, {"role", "assistant"}, {"model", opt.alias},
+                  {"content", json::array({{{"type", "text"}, {"text", r.text}}})}, {"stop_reason", stop_reason(r)},
+                  {"stop_sequence", stop_sequence(r)},
+                  {"usage", {{"input_tokens", r.n_prompt}, {"output_tokens", r.n_completion}}}};
+      res.set_content(dump(out), "application/json");
+      return;
+    }
+    auto turn = std::make_shared<std::unique_ptr<Turn>>(std::make_unique<Turn>(*this));
+    res.set_header("Cache-Control", "no-cache");
+    res.set_chunked_content_provider("text/event-stream", [this, g, id, turn, stop_reason, stop_sequence](size_t, httplib::DataSink& sink) {
+      auto event = [&](const char* name, const json& j) {
+        const std::string s = std::string("event: ") + name + "\ndata: " + dump(j) + "\n\n";
+        return sink.write(s.data(), s.size());
+      };
+      bool ok = event("message_start", {{"type", "message_start"},
+                                        {"message", {{"id", id}, {"type", "message"}, {"role", "assistant"}, {"model", opt.alias},
+                                                     {"content", json::array()}, {"stop_reason", nullptr},
+                                                     {"stop_sequence", nullptr},
+                                                     {"usage", {{"input_tokens", g.prompt.size()}, {"output_tokens", 0}}}}}});
+      ok = ok && event("content_block_start",
+                       {{"type", "content_block_start"}, {"index", 0}, {"content_block", {{"type", "text"}, {"text", ""}}}});
+      GenResult r;
+      if (ok) {
+        r = generate(g, [&](const std::string& piece) {
+          return event("content_block_delta",
+                       {{"type", "content_block_delta"}, {"index", 0}, {"delta", {{"type", "text_delta"}, {"text", piece}}}});
+        });
+        ok = !r.cancelled;
+      }
+      turn->reset();
+      ok = ok && event("content_block_stop", {{"type", "content_block_stop"}, {"index", 0}});
+      ok = ok && event("message_delta", {{"type", "message_delta"},
+                                         {"delta", {{"stop_reason", stop_reason(r)}, {"stop_sequence", stop_sequence(r)}}},
+                                         {"usage", {{"output_tokens", r.n_completion}}}});
+      if (ok) event("message_stop", {{"type", "message_stop"}});
+      sink.done();
+      return true;
+    });
+  }
+
+  std::string metrics_text() {
+    std::string out;
+    auto metric = [&](const char* name, const char* type, const char* help, double v) {
+      out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n" + name + " ";
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%.17g\n", v);
+      out += buf;
+    };
+    metric("fitmoe_requests_total", "counter", "generation requests answered", static_cast<double>(metrics.requests.load()));
+    metric("fitmoe_requests_refused_total", "counter", "requests answered with a 4xx or 5xx", static_cast<double>(metrics.refused.load()));
+    metric("fitmoe_requests_waiting", "gauge", "requests queued behind the running one", waiting.load());
+    metric("fitmoe_prompt_tokens_total", "counter", "prompt tokens of all requests", static_cast<double>(metrics.prompt_tokens.load()));
+    metric("fitmoe_prompt_tokens_reused_total", "counter", "prompt tokens found in the cache (not evaluated again)",
+           static_cast<double>(metrics.reused_tokens.load()));
+    metric("fitmoe_completion_tokens_total", "counter", "generated tokens", static_cast<double>(metrics.completion_tokens.load()));
+    metric("fitmoe_prompt_tokens_per_second", "gauge", "prefill speed of the last request", metrics.last_prompt_tps.load());
+    metric("fitmoe_decode_tokens_per_second", "gauge", "decode speed of the last request", metrics.last_decode_tps.load());
+    metric("fitmoe_context_size_tokens", "gauge", "the sequence's context", session.n_ctx());
+    metric("fitmoe_kv_cache_bytes", "gauge", "bytes of the sequence's KV cache and state", static_cast<double>(session.state().bytes()));
+    return out;
+  }
+
   void routes() {
-    auto guarded = [this](auto fn) {
-      return [this, fn](const httplib::Request& req, httplib::Response& res) {
+    auto guarded = [this](auto fn, bool anthropic = false) {
+      return [this, fn, anthropic](const httplib::Request& req, httplib::Response& res) {
         try {
           fn(req, res);
+          return;
         } catch (const HttpError& e) {
-          send_error(res, e);
+          send_error(res, e, anthropic);
         } catch (const json::exception& e) {
           send_error(res, HttpError{400, std::string("the request does not have the expected shape: ") + e.what(),
-                                    "invalid_request_error", "", ""});
+                                    "invalid_request_error", "", ""}, anthropic);
         } catch (const std::exception& e) {
-          send_error(res, HttpError{500, e.what(), "server_error", "", ""});
+          send_error(res, HttpError{500, e.what(), "server_error", "", ""}, anthropic);
         }
+        metrics.refused++;
       };
     };
     http.set_payload_max_length(opt.max_body);
@@ -416,9 +570,10 @@ struct Server::Impl {
       const std::string want = "Bearer " + opt.api_key;
       const std::string xkey = req.get_header_value("x-api-key");  // (Anthropic's header)
       if (auth == want || xkey == opt.api_key) return httplib::Server::HandlerResponse::Unhandled;
-      send_error(res, HttpError{401, auth.empty() && xkey.empty() ? "an API key is required (Authorization: Bearer KEY)"
+      send_error(res, HttpError{401, auth.empty() && xkey.empty() ? "an API key is required (Authorization: Bearer KEY or x-api-key)"
                                                                   : "the API key is not valid",
-                                "authentication_error", "", "invalid_api_key"});
+                                "authentication_error", "", "invalid_api_key"},
+                 req.path == "/v1/messages");
       return httplib::Server::HandlerResponse::Handled;
     });
     // Bodies for httplib's own refusals (404 no such path, 413 body too large, 400 bad HTTP), as JSON.
@@ -443,6 +598,11 @@ struct Server::Impl {
     http.Post("/v1/completions", guarded([this](const httplib::Request& req, httplib::Response& res) {
       serve_generation(req, res, false);
     }));
+    http.Post("/v1/messages", guarded([this](const httplib::Request& req, httplib::Response& res) { serve_messages(req, res); },
+                                      true));
+    http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+      res.set_content(metrics_text(), "text/plain; version=0.0.4");
+    });
     http.Post("/tokenize", guarded([this](const httplib::Request& req, httplib::Response& res) {
       const json b = parse_body(req);
       if (!b.contains("content") || !b["content"].is_string()) refuse("'content' must be a string", "content");

@@ -4,6 +4,10 @@
 //   GET  /v1/models              the one model, named by --alias (default: the file's name)
 //   POST /v1/chat/completions    messages rendered with the GGUF's chat template; streaming (SSE) or not
 //   POST /v1/completions         a raw prompt; streaming or not
+//   POST /v1/messages            Anthropic's Messages API (text blocks, system, stop_sequences; its
+//                                streaming events and error body)
+//   GET  /metrics                Prometheus text: requests, refusals, queue, tokens, prompt reuse,
+//                                the last request's prefill and decode speed, context and KV bytes
 //   POST /tokenize, /detokenize  {"content": text} <-> {"tokens": [ids]}
 //
 // Requests run one at a time on one sequence (`--parallel 1`; several sequences per engine are the rest
