@@ -19,6 +19,7 @@
 #include "cli_util.h"
 #include "model/model.h"
 #include "runtime/session.h"
+#include "server/reasoning.h"
 #include "server/server.h"
 #include "testdata.h"
 #include "text/chat.h"
@@ -357,6 +358,37 @@ TEST(Server, AnthropicMessagesAndMetrics) {
   EXPECT_NE(mt->body.find("fitmoe_requests_total 2"), std::string::npos) << mt->body;
   EXPECT_NE(mt->body.find("fitmoe_requests_refused_total 1"), std::string::npos) << mt->body;
   EXPECT_EQ(mt->body.find("fitmoe_prompt_tokens_reused_total 0\n"), std::string::npos) << mt->body;  // the second found the first's
+}
+
+// The reasoning split of thinking models, fed in every way a stream can cut the text.
+TEST(ThinkSplitter, SeparatesReasoningFromTheAnswerAtEveryCut) {
+  const std::string text = "<think>\nfirst I think</think>\n\nthe answer";
+  for (size_t a = 0; a <= text.size(); ++a)
+    for (size_t b = a; b <= text.size(); b += 3) {
+      std::string r, c;
+      server::ThinkSplitter s([&](const std::string& t) { r += t; return true; }, [&](const std::string& t) { c += t; return true; });
+      s.feed(text.substr(0, a));
+      s.feed(text.substr(a, b - a));
+      s.feed(text.substr(b));
+      s.finish();
+      ASSERT_EQ(r, "first I think") << a << " " << b;
+      ASSERT_EQ(c, "the answer") << a << " " << b;
+    }
+  std::string r, c;
+  server::ThinkSplitter plain([&](const std::string& t) { r += t; return true; }, [&](const std::string& t) { c += t; return true; });
+  plain.feed("<thin");
+  plain.feed("king is fine");  // not the tag: all content
+  plain.finish();
+  EXPECT_EQ(r, "");
+  EXPECT_EQ(c, "<thinking is fine");
+  std::string r2, c2;  // the prompt opened <think> already
+  server::ThinkSplitter opened([&](const std::string& t) { r2 += t; return true; }, [&](const std::string& t) { c2 += t; return true; },
+                               true);
+  opened.feed("\nhmm</thi");
+  opened.feed("nk>\n\nyes");
+  opened.finish();
+  EXPECT_EQ(r2, "hmm");
+  EXPECT_EQ(c2, "yes");
 }
 
 TEST(Server, ApiKeyIsRequiredWhereSet) {

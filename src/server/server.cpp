@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "runtime/error.h"
+#include "server/reasoning.h"
 #include "text/chat.h"
 #include "text/tokenizer.h"
 
@@ -106,6 +107,9 @@ struct GenRequest {
   SamplerParams sampler;
   std::vector<std::string> stop;
   bool stream = false, include_usage = false;
+  // Thinking models (a template with <think>): the answer's reasoning goes to reasoning_content;
+  // in_thinking: the generation prompt itself opened <think>.
+  bool split_thinking = false, in_thinking = false;
 };
 
 struct GenResult {
@@ -133,6 +137,7 @@ struct Server::Impl {
   std::atomic<uint64_t> next_id{1};
   httplib::Server http;
   int port = -1;
+  bool thinking_template = false;  // the chat template knows <think> (Qwen3, Qwen3.5/3.6)
   // /metrics (written under mu, read without it: figures for a dashboard, not a ledger)
   struct Metrics {
     std::atomic<uint64_t> requests{0}, prompt_tokens{0}, reused_tokens{0}, completion_tokens{0}, refused{0};
@@ -145,6 +150,7 @@ struct Server::Impl {
       throw Error("--parallel " + std::to_string(opt.parallel) +
                   ": the server runs one sequence so far (several sequences per engine are not implemented yet)");
     if (opt.alias.empty()) opt.alias = m.config().name.empty() ? "fitmoe" : m.config().name;
+    thinking_template = tok->chat_template().find("<think>") != std::string::npos;
     routes();
   }
 
@@ -200,12 +206,19 @@ struct Server::Impl {
              "messages", 400, "context_length_exceeded");
   }
 
-  std::vector<int32_t> render(const std::vector<ChatMessage>& msgs, const json& ctx) {
+  std::vector<int32_t> render(const std::vector<ChatMessage>& msgs, const json& ctx, GenRequest* g = nullptr) {
     std::string text;
     try {
       text = apply_chat_template(*tok, msgs, true, ctx);
     } catch (const Error& e) {
       refuse(std::string("the chat template cannot render these messages: ") + e.what(), "messages");
+    }
+    if (g && thinking_template) {
+      g->split_thinking = true;
+      const size_t open = text.rfind("<think>"), close = text.rfind("</think>");
+      const size_t turn = text.rfind("assistant");
+      g->in_thinking = open != std::string::npos && turn != std::string::npos && open > turn &&
+                       (close == std::string::npos || close < open);
     }
     return tok->encode(text, /*add_special=*/true);
   }
@@ -294,8 +307,10 @@ struct Server::Impl {
       if (!b["chat_template_kwargs"].is_object()) refuse("'chat_template_kwargs' must be an object", "chat_template_kwargs");
       for (const auto& [k, v] : b["chat_template_kwargs"].items()) ctx[k] = v;
     }
+    if (b.contains("enable_thinking") && !b["enable_thinking"].is_null())
+      ctx["enable_thinking"] = bool_field(b, "enable_thinking", true);
     GenRequest g;
-    g.prompt = render(msgs, ctx);
+    g.prompt = render(msgs, ctx, &g);
     common_fields(b, g);
     return g;
   }
@@ -424,8 +439,20 @@ struct Server::Impl {
       Turn turn(*this);
       const GenResult r = generate(g, [](const std::string&) { return true; });
       json choice = {{"index", 0}};
-      if (chat) choice["message"] = {{"role", "assistant"}, {"content", r.text}};
-      else choice["text"] = r.text, choice["logprobs"] = nullptr;
+      if (chat) {
+        std::string reasoning, content = r.text;
+        if (g.split_thinking) {
+          content.clear();
+          ThinkSplitter split([&](const std::string& t) { reasoning += t; return true; },
+                              [&](const std::string& t) { content += t; return true; }, g.in_thinking);
+          split.feed(r.text);
+          split.finish();
+        }
+        choice["message"] = {{"role", "assistant"}, {"content", content}};
+        if (!reasoning.empty()) choice["message"]["reasoning_content"] = reasoning;
+      } else {
+        choice["text"] = r.text, choice["logprobs"] = nullptr;
+      }
       choice["finish_reason"] = r.finish;
       json out = {{"id", id}, {"object", object}, {"created", created}, {"model", opt.alias}, {"choices", json::array({choice})},
                   {"usage", usage(r)}};
@@ -453,10 +480,16 @@ struct Server::Impl {
       bool ok = !chat || chunk(json{{"role", "assistant"}, {"content", ""}}, nullptr);
       GenResult r;
       if (ok) {
-        r = generate(g, [&](const std::string& piece) {
-          return chunk(chat ? json{{"content", piece}} : json(piece), nullptr);
-        });
-        ok = !r.cancelled;
+        auto content = [&](const std::string& piece) { return chunk(chat ? json{{"content", piece}} : json(piece), nullptr); };
+        if (chat && g.split_thinking) {
+          ThinkSplitter split([&](const std::string& t) { return chunk(json{{"reasoning_content", t}}, nullptr); }, content,
+                              g.in_thinking);
+          r = generate(g, [&](const std::string& piece) { return split.feed(piece); });
+          ok = !r.cancelled && split.finish();
+        } else {
+          r = generate(g, content);
+          ok = !r.cancelled;
+        }
       }
       turn->reset();  // the sequence is free for the next request
       if (ok) ok = chunk(chat ? json::object() : json(""), r.finish);
