@@ -20,6 +20,7 @@
 #include "model/model.h"
 #include "runtime/session.h"
 #include "server/reasoning.h"
+#include "server/tool_calls.h"
 #include "server/server.h"
 #include "testdata.h"
 #include "text/chat.h"
@@ -41,7 +42,7 @@ std::unique_ptr<Model> cpu_model() {
 SessionOptions session_opts() {
   SessionOptions so;
   so.n_threads = 2;
-  so.n_ctx = 256;
+  so.n_ctx = 512;
   return so;
 }
 
@@ -189,6 +190,18 @@ TEST(Server, CompletionsModelsHealthAndTokens) {
   ASSERT_TRUE(d);
   EXPECT_EQ(json::parse(d->body)["content"], "hello world");
 
+  // Tools reach the template (Qwen3's describes them in the system turn: a longer prompt).
+  json plain = chat_body("What is the weather in Paris?", 2);
+  json with_tools = plain;
+  with_tools["tools"] = json::array({{{"type", "function"},
+                                      {"function", {{"name", "get_weather"}, {"description", "the weather in a city"},
+                                                    {"parameters", {{"type", "object"}, {"properties", {{"city", {{"type", "string"}}}}}}}}}}});
+  auto p0 = c.Post("/v1/chat/completions", plain.dump(), "application/json");
+  auto p1 = c.Post("/v1/chat/completions", with_tools.dump(), "application/json");
+  ASSERT_TRUE(p0 && p1);
+  ASSERT_EQ(p1->status, 200) << p1->body;
+  EXPECT_GT(json::parse(p1->body)["usage"]["prompt_tokens"].get<int>(), json::parse(p0->body)["usage"]["prompt_tokens"].get<int>() + 20);
+
   json body = {{"prompt", "Once upon a time"}, {"max_tokens", 6}, {"temperature", 0}};
   auto r = c.Post("/v1/completions", body.dump(), "application/json");
   ASSERT_TRUE(r);
@@ -234,13 +247,16 @@ TEST(Server, BadRequestsGetA4xxThatNamesTheProblem) {
   b["messages"][1]["role"] = "wizard";
   expect_error(c.Post(path, b.dump(), "application/json"), 400, "wizard");
   b = chat_body("hi", 4);
+  b["tools"] = json::array({{{"type", "function"}}});
+  expect_error(c.Post(path, b.dump(), "application/json"), 400, "tool");
+  b = chat_body("hi", 4);
   b["n"] = 3;
   expect_error(c.Post(path, b.dump(), "application/json"), 400, "'n'");
   // Invalid UTF-8 in a string, a prompt longer than the context, a body over the limit, no such path.
   expect_error(c.Post(path, std::string("{\"messages\": [{\"role\": \"user\", \"content\": \"\xff\xfe\"}]}"), "application/json"),
                400, "JSON");
   json lp = {{"prompt", json::array()}, {"max_tokens", 4}};
-  for (int i = 0; i < 300; ++i) lp["prompt"].push_back(1);
+  for (int i = 0; i < 600; ++i) lp["prompt"].push_back(1);
   auto big = c.Post("/v1/completions", lp.dump(), "application/json");
   expect_error(big, 400, "context");
   EXPECT_EQ(json::parse(big->body)["error"]["code"], "context_length_exceeded");
@@ -389,6 +405,38 @@ TEST(ThinkSplitter, SeparatesReasoningFromTheAnswerAtEveryCut) {
   opened.finish();
   EXPECT_EQ(r2, "hmm");
   EXPECT_EQ(c2, "yes");
+}
+
+// Tool calls in both formats, fed at every cut: content around them, each call whole, bad ones kept as text.
+TEST(ToolCallParser, QwenJsonAndXmlCallsAtEveryCut) {
+  const std::string text =
+      "Let me check.<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"
+      "<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=note>\nhello world\n</parameter>\n"
+      "</function>\n</tool_call> done";
+  for (size_t a = 0; a <= text.size(); a += 2)
+    for (size_t b = a; b <= text.size(); b += 7) {
+      std::string content;
+      std::vector<server::ToolCall> calls;
+      server::ToolCallParser p([&](const std::string& t) { content += t; return true; },
+                               [&](const server::ToolCall& c) { calls.push_back(c); return true; });
+      p.feed(text.substr(0, a));
+      p.feed(text.substr(a, b - a));
+      p.feed(text.substr(b));
+      p.finish();
+      ASSERT_EQ(content, "Let me check. done") << a << " " << b;
+      ASSERT_EQ(calls.size(), 2u);
+      EXPECT_EQ(calls[0].name, "get_weather");
+      EXPECT_EQ(json::parse(calls[0].arguments), json::parse("{\"city\": \"Paris\"}"));
+      EXPECT_EQ(calls[1].name, "add");
+      EXPECT_EQ(json::parse(calls[1].arguments), json::parse("{\"a\": 2, \"note\": \"hello world\"}"));
+    }
+  std::string content;
+  int n = 0;
+  server::ToolCallParser bad([&](const std::string& t) { content += t; return true; }, [&](const server::ToolCall&) { return ++n, true; });
+  bad.feed("x<tool_call>{not json}</tool_call>y<tool_call>{\"name\": \"cut");
+  bad.finish();
+  EXPECT_EQ(n, 0);
+  EXPECT_EQ(content, "x<tool_call>{not json}</tool_call>y<tool_call>{\"name\": \"cut");
 }
 
 TEST(Server, ApiKeyIsRequiredWhereSet) {

@@ -15,6 +15,7 @@
 
 #include "runtime/error.h"
 #include "server/reasoning.h"
+#include "server/tool_calls.h"
 #include "text/chat.h"
 #include "text/tokenizer.h"
 
@@ -110,6 +111,7 @@ struct GenRequest {
   // Thinking models (a template with <think>): the answer's reasoning goes to reasoning_content;
   // in_thinking: the generation prompt itself opened <think>.
   bool split_thinking = false, in_thinking = false;
+  bool parse_tools = false;  // the request offered tools: tool calls in the answer become tool_calls
 };
 
 struct GenResult {
@@ -299,10 +301,22 @@ struct Server::Impl {
       msgs.push_back(std::move(cm));
     }
     json ctx = json::object();
+    bool tools_on = false;
     if (b.contains("tools") && !b["tools"].is_null()) {
       if (!b["tools"].is_array()) refuse("'tools' must be a list", "tools");
-      ctx["tools"] = b["tools"];
+      for (const auto& t : b["tools"])
+        if (!t.is_object() || t.value("type", "") != "function" || !t.contains("function") || !t["function"].is_object() ||
+            !t["function"].contains("name") || !t["function"]["name"].is_string())
+          refuse("each tool must be {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": ...}}", "tools");
+      tools_on = !b["tools"].empty();
     }
+    if (b.contains("tool_choice") && !b["tool_choice"].is_null()) {
+      const json& tc = b["tool_choice"];
+      if (!(tc.is_string() && (tc == "none" || tc == "auto" || tc == "required")) && !tc.is_object())
+        refuse("'tool_choice' must be none, auto, required or an object naming a function", "tool_choice");
+      if (tc.is_string() && tc == "none") tools_on = false;
+    }
+    if (tools_on) ctx["tools"] = b["tools"];
     if (b.contains("chat_template_kwargs") && !b["chat_template_kwargs"].is_null()) {
       if (!b["chat_template_kwargs"].is_object()) refuse("'chat_template_kwargs' must be an object", "chat_template_kwargs");
       for (const auto& [k, v] : b["chat_template_kwargs"].items()) ctx[k] = v;
@@ -310,6 +324,7 @@ struct Server::Impl {
     if (b.contains("enable_thinking") && !b["enable_thinking"].is_null())
       ctx["enable_thinking"] = bool_field(b, "enable_thinking", true);
     GenRequest g;
+    g.parse_tools = tools_on;
     g.prompt = render(msgs, ctx, &g);
     common_fields(b, g);
     return g;
@@ -424,6 +439,14 @@ struct Server::Impl {
     }
   };
 
+  // One tool call in OpenAI's shape (with its index in a streamed delta).
+  json tool_call_json(const ToolCall& c, size_t index, bool with_index) {
+    json j = {{"id", "call_" + std::to_string(next_id.fetch_add(1))}, {"type", "function"},
+              {"function", {{"name", c.name}, {"arguments", c.arguments}}}};
+    if (with_index) j["index"] = index;
+    return j;
+  }
+
   json usage(const GenResult& r) const {
     return {{"prompt_tokens", r.n_prompt}, {"completion_tokens", r.n_completion}, {"total_tokens", r.n_prompt + r.n_completion}};
   }
@@ -437,19 +460,28 @@ struct Server::Impl {
     const char* object = chat ? "chat.completion" : "text_completion";
     if (!g.stream) {
       Turn turn(*this);
-      const GenResult r = generate(g, [](const std::string&) { return true; });
+      GenResult r = generate(g, [](const std::string&) { return true; });
       json choice = {{"index", 0}};
       if (chat) {
-        std::string reasoning, content = r.text;
+        std::string reasoning, content;
+        json calls = json::array();
+        ToolCallParser tools([&](const std::string& t) { content += t; return true; }, [&](const ToolCall& c) {
+          calls.push_back(tool_call_json(c, calls.size(), false));
+          return true;
+        });
+        auto to_content = [&](const std::string& t) { return g.parse_tools ? tools.feed(t) : (content += t, true); };
         if (g.split_thinking) {
-          content.clear();
-          ThinkSplitter split([&](const std::string& t) { reasoning += t; return true; },
-                              [&](const std::string& t) { content += t; return true; }, g.in_thinking);
+          ThinkSplitter split([&](const std::string& t) { reasoning += t; return true; }, to_content, g.in_thinking);
           split.feed(r.text);
           split.finish();
+        } else {
+          to_content(r.text);
         }
-        choice["message"] = {{"role", "assistant"}, {"content", content}};
+        tools.finish();
+        choice["message"] = {{"role", "assistant"}, {"content", calls.empty() || !content.empty() ? json(content) : json(nullptr)}};
         if (!reasoning.empty()) choice["message"]["reasoning_content"] = reasoning;
+        if (!calls.empty()) choice["message"]["tool_calls"] = calls;
+        if (!calls.empty()) r.finish = "tool_calls";
       } else {
         choice["text"] = r.text, choice["logprobs"] = nullptr;
       }
@@ -481,15 +513,22 @@ struct Server::Impl {
       GenResult r;
       if (ok) {
         auto content = [&](const std::string& piece) { return chunk(chat ? json{{"content", piece}} : json(piece), nullptr); };
+        size_t n_calls = 0;
+        ToolCallParser tools(content, [&](const ToolCall& c) {
+          return chunk(json{{"tool_calls", json::array({tool_call_json(c, n_calls++, true)})}}, nullptr);
+        });
+        auto to_content = [&](const std::string& t) { return chat && g.parse_tools ? tools.feed(t) : content(t); };
         if (chat && g.split_thinking) {
-          ThinkSplitter split([&](const std::string& t) { return chunk(json{{"reasoning_content", t}}, nullptr); }, content,
+          ThinkSplitter split([&](const std::string& t) { return chunk(json{{"reasoning_content", t}}, nullptr); }, to_content,
                               g.in_thinking);
           r = generate(g, [&](const std::string& piece) { return split.feed(piece); });
           ok = !r.cancelled && split.finish();
         } else {
-          r = generate(g, content);
+          r = generate(g, to_content);
           ok = !r.cancelled;
         }
+        ok = ok && tools.finish();
+        if (n_calls) r.finish = "tool_calls";
       }
       turn->reset();  // the sequence is free for the next request
       if (ok) ok = chunk(chat ? json::object() : json(""), r.finish);

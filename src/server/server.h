@@ -2,7 +2,8 @@
 //
 //   GET  /health                 {"status": "ok"} (no key needed)
 //   GET  /v1/models              the one model, named by --alias (default: the file's name)
-//   POST /v1/chat/completions    messages rendered with the GGUF's chat template; streaming (SSE) or not
+//   POST /v1/chat/completions    messages rendered with the GGUF's chat template; streaming (SSE) or not;
+//                                tools -> tool_calls (tool_calls.h), <think> -> reasoning_content (reasoning.h)
 //   POST /v1/completions         a raw prompt; streaming or not
 //   POST /v1/messages            Anthropic's Messages API (text blocks, system, stop_sequences; its
 //                                streaming events and error body)
