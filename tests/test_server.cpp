@@ -250,6 +250,12 @@ TEST(Server, BadRequestsGetA4xxThatNamesTheProblem) {
   b["tools"] = json::array({{{"type", "function"}}});
   expect_error(c.Post(path, b.dump(), "application/json"), 400, "tool");
   b = chat_body("hi", 4);
+  b["logprobs"] = true;
+  expect_error(c.Post(path, b.dump(), "application/json"), 400, "not implemented");
+  b = chat_body("hi", 4);
+  b["frequency_penalty"] = 0.5;
+  expect_error(c.Post(path, b.dump(), "application/json"), 400, "not implemented");
+  b = chat_body("hi", 4);
   b["n"] = 3;
   expect_error(c.Post(path, b.dump(), "application/json"), 400, "'n'");
   // Invalid UTF-8 in a string, a prompt longer than the context, a body over the limit, no such path.

@@ -45,6 +45,7 @@ std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_hand
 
 // OpenAI's error body, or Anthropic's ({"type": "error", "error": {"type", "message"}}) on /v1/messages.
 void send_error(httplib::Response& res, const HttpError& e, bool anthropic = false) {
+  if (e.status == 503) res.set_header("Retry-After", "1");
   if (anthropic) {
     const std::string type = e.status == 413 ? "request_too_large" : e.status == 503 ? "overloaded_error"
                              : e.status >= 500 ? "api_error" : e.type;
@@ -168,6 +169,11 @@ struct Server::Impl {
   void common_fields(const json& b, GenRequest& g) {
     check_model(b);
     if (int_field(b, "n", 1, 1, 1 << 20) != 1) refuse("'n' must be 1 (one choice per request)", "n");
+    // Fields fitmoe does not implement yet are refused when they would change the answer, never ignored.
+    if (bool_field(b, "logprobs", false) || int_field(b, "top_logprobs", 0, 0, 20) > 0)
+      refuse("'logprobs' / 'top_logprobs' are not implemented yet", "logprobs");
+    for (const char* k : {"presence_penalty", "frequency_penalty"})
+      if (number_field(b, k, 0, -2, 2) != 0) refuse(std::string("'") + k + "' is not implemented yet (0 only)", k);
     int64_t max_tokens = int_field(b, "max_completion_tokens", -1, 1, 1 << 30);
     if (max_tokens < 0) max_tokens = int_field(b, "max_tokens", opt.default_max_tokens, 1, 1 << 30);
     g.max_tokens = static_cast<int>(max_tokens);
