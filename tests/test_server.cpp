@@ -445,6 +445,39 @@ TEST(ToolCallParser, QwenJsonAndXmlCallsAtEveryCut) {
   EXPECT_EQ(content, "x<tool_call>{not json}</tool_call>y<tool_call>{\"name\": \"cut");
 }
 
+// Sixteen clients streaming at once (bounded: three requests each): every stream complete, ending in
+// [DONE], and each the answer its own prompt gets alone (nothing mixed between them).
+TEST(Server, ConcurrentStreamsAreCompleteAndNotMixedUp) {
+  auto m = cpu_model();
+  Running run(*m);
+  constexpr int kClients = 16;
+  std::vector<std::string> want(kClients);
+  for (int i = 0; i < kClients; ++i)
+    want[i] = greedy_answer(*m, {{"system", "You are terse.", nullptr}, {"user", "Count to " + std::to_string(i) + ".", nullptr}}, 8);
+  std::vector<std::string> bad(kClients);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kClients; ++i)
+    clients.emplace_back([&, i] {
+      auto c = run.client();
+      for (int k = 0; k < 3; ++k) {
+        auto r = c.Post("/v1/chat/completions", chat_body("Count to " + std::to_string(i) + ".", 8, true).dump(), "application/json");
+        if (!r || r->status != 200) {
+          bad[i] = "no answer or status " + (r ? std::to_string(r->status) : std::string("-"));
+          return;
+        }
+        bool done = false;
+        json usage;
+        const std::string got = sse_content(r->body, &done, &usage);
+        if (!done || got != want[i]) {
+          bad[i] = "request " + std::to_string(k) + ": got '" + got + "' want '" + want[i] + "'" + (done ? "" : " (no [DONE])");
+          return;
+        }
+      }
+    });
+  for (auto& t : clients) t.join();
+  for (int i = 0; i < kClients; ++i) EXPECT_EQ(bad[i], "") << "client " << i;
+}
+
 TEST(Server, ApiKeyIsRequiredWhereSet) {
   auto m = cpu_model();
   server::ServerOptions o;
