@@ -51,6 +51,17 @@ inline double margin(const float* x, int n) {
   return a - b;
 }
 
+// The cache types of a flash-attention reference file's manifest key, "fa-kv<K>-<V>" (flash on).
+inline KvCacheType fa_kv_type(const std::string& key) {
+  const std::string kvs = key.substr(5);
+  const size_t dash = kvs.find('-');
+  KvCacheType kv{DType::F16, DType::F16, FlashAttn::On};
+  EXPECT_TRUE(dash != std::string::npos && kv_type_from_name(kvs.substr(0, dash), &kv.k) &&
+              kv_type_from_name(kvs.substr(dash + 1), &kv.v))
+      << key;
+  return kv;
+}
+
 // Evaluates the prompt in one batch and compares the stored rows; returns a summary string for logs.
 inline std::string check_logits(const Model& model, const std::vector<int32_t>& prompt, int row0,
                                 const std::vector<float>& ref, const Tolerance& tol, const std::string& label,

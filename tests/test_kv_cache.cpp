@@ -259,11 +259,7 @@ TEST_P(FlashAttentionReference, LogitsMatchForEveryCacheType) {
     auto prompt = manifest["prompts"][p]["ids"].get<std::vector<int32_t>>();
     const int row0 = ref["logits_rows"][0].get<int>();
     for (const auto& [key, file] : ref["logits_fa_kv"].items()) {
-      // "fa-kv<K>-<V>"
-      const std::string kvs = key.substr(5);
-      const size_t dash = kvs.find('-');
-      KvCacheType kv{DType::F16, DType::F16, FlashAttn::On};
-      ASSERT_TRUE(kv_type_from_name(kvs.substr(0, dash), &kv.k) && kv_type_from_name(kvs.substr(dash + 1), &kv.v)) << key;
+      const KvCacheType kv = test::fa_kv_type(key);
       auto logits = test::read_f32(dir + "/" + file.get<std::string>());
       std::printf("  %s\n",
                   test::check_logits(*model, prompt, row0, logits, tol, c.folder + "-" + c.type + " " + p + " " + key, kv).c_str());

@@ -7,6 +7,7 @@
 #include "runtime/error.h"
 #include "runtime/session.h"
 #include "text/chat.h"
+#include "text/held_prefix.h"
 #include "text/sampling.h"
 #include "text/tokenizer.h"
 
@@ -177,14 +178,7 @@ GenerateResult Sequence::generate(std::span<const int32_t> prompt, const Generat
           return false;
         }
       }
-      size_t held = 0;  // a tail that may still become a stop string
-      for (const std::string& x : o.stop)
-        for (size_t n = std::min(x.size() ? x.size() - 1 : 0, r.text.size()); n > held; --n)
-          if (r.text.compare(r.text.size() - n, n, x, 0, n) == 0) {
-            held = n;
-            break;
-          }
-      return flush(r.text.size() - held);
+      return flush(r.text.size() - held_prefix(r.text, o.stop));  // (what may still become a stop string)
     }, tok.eog_tokens(), &st);
     if (!r.stopped_at_end || r.text.size() > sent) {
       r.text += dec.flush();

@@ -63,96 +63,8 @@ __device__ __forceinline__ float bf2f(uint16_t b) { return __uint_as_float(stati
 __device__ __forceinline__ uint16_t ld16(const uint8_t* p) { return *reinterpret_cast<const uint16_t*>(p); }
 __device__ __forceinline__ int tq_block_bytes(int kind, int n) { return 2 + n * tq_bits_of(kind) / 8; }
 
-// Values [32c, 32c + 32) of one head's row (tq: in the rotated domain, gamma * centroid).
-__device__ __forceinline__ void decode32(int kind, const uint8_t* row, int c, int tqb, const float* cb, float* o) {
-  switch (kind) {
-    case kF32: {
-      const float4* p = reinterpret_cast<const float4*>(row) + c * 8;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float4 v = p[i];
-        o[4 * i] = v.x, o[4 * i + 1] = v.y, o[4 * i + 2] = v.z, o[4 * i + 3] = v.w;
-      }
-      break;
-    }
-    case kF16:
-    case kBF16: {
-      const uint4* p = reinterpret_cast<const uint4*>(row + c * 64);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint4 u = p[i];
-        const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const uint16_t lo = static_cast<uint16_t>(w[j] & 0xffff), hi = static_cast<uint16_t>(w[j] >> 16);
-          o[8 * i + 2 * j] = kind == kF16 ? h2f(lo) : bf2f(lo);
-          o[8 * i + 2 * j + 1] = kind == kF16 ? h2f(hi) : bf2f(hi);
-        }
-      }
-      break;
-    }
-    case kQ8: {
-      const uint8_t* b = row + c * 34;
-      const float d = h2f(ld16(b));
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const uint16_t w = ld16(b + 2 + 2 * i);
-        o[2 * i] = d * static_cast<float>(static_cast<int8_t>(w & 0xff));
-        o[2 * i + 1] = d * static_cast<float>(static_cast<int8_t>(w >> 8));
-      }
-      break;
-    }
-    case kQ4: {
-      const uint8_t* b = row + c * 18;
-      const float d = h2f(ld16(b));
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const uint16_t w = ld16(b + 2 + 2 * i);
-        const int b0 = w & 0xff, b1 = w >> 8;
-        o[2 * i] = d * static_cast<float>((b0 & 15) - 8);
-        o[2 * i + 1] = d * static_cast<float>((b1 & 15) - 8);
-        o[16 + 2 * i] = d * static_cast<float>((b0 >> 4) - 8);
-        o[17 + 2 * i] = d * static_cast<float>((b1 >> 4) - 8);
-      }
-      break;
-    }
-    default: {  // tq
-      const int i0 = (32 * c) & (tqb - 1);
-      const uint8_t* b = row + (32 * c / tqb) * tq_block_bytes(kind, tqb);
-      const float g = h2f(ld16(b));
-      if (kind == kTQ4) {
-        const uint8_t* q = b + 2 + i0 / 2;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const uint16_t w = ld16(q + 2 * i);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) o[4 * i + j] = g * cb[(w >> (4 * j)) & 15];
-        }
-      } else if (kind == kTQ2) {
-        const uint8_t* q = b + 2 + i0 / 4;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint16_t w = ld16(q + 2 * i);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) o[8 * i + j] = g * cb[(w >> (2 * j)) & 3];
-        }
-      } else {
-        const uint8_t* q = b + 2 + i0 / 4;
-        const uint8_t* hb = b + 2 + tqb / 4 + i0 / 8;
-        const uint32_t hw = static_cast<uint32_t>(ld16(hb)) | (static_cast<uint32_t>(ld16(hb + 2)) << 16);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint16_t w = ld16(q + 2 * i);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) o[8 * i + j] = g * cb[((w >> (2 * j)) & 3) | (((hw >> (8 * i + j)) & 1) << 2)];
-        }
-      }
-    }
-  }
-}
-
-// Values [32c + 8s, 32c + 8s + 8) of one head's row (decode32's eighth; the decode kernel's scores
-// take a key in four of these, which keeps two keys' values in few registers).
+// Values [32c + 8s, 32c + 8s + 8) of one head's row (tq: in the rotated domain, gamma * centroid). The
+// decode kernel's scores take a key in four of these, which keeps two keys' values in few registers.
 __device__ __forceinline__ void decode8(int kind, const uint8_t* row, int c, int s, int tqb, const float* cb, float* o) {
   const int e0 = 32 * c + 8 * s;
   switch (kind) {
@@ -217,6 +129,12 @@ __device__ __forceinline__ void decode8(int kind, const uint8_t* row, int c, int
       }
     }
   }
+}
+
+// Values [32c, 32c + 32) of one head's row (the prefill kernel's tile loader).
+__device__ __forceinline__ void decode32(int kind, const uint8_t* row, int c, int tqb, const float* cb, float* o) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s) decode8(kind, row, c, s, tqb, cb, o + 8 * s);
 }
 
 // Value d of one head's row.

@@ -3550,8 +3550,8 @@ bool attention(const float* q, int64_t ld_q, const DevKv& kv, int pos0, const in
   if (n_tokens <= 0) return false;
   if (kv.flash) {
     if (!pos_dev) fail("attention: a flash-attention cache needs the positions on the device");
-    flash_attention(q, ld_q, kv, false, 0, pos_dev, n_tokens, pos_dev == nullptr ? pos0 + n_tokens : n_kv_max, n_head,
-                    n_head_kv, head_dim, head_dim_v, scale, out, ld_out, scratch, scratch_bytes, s);
+    flash_attention(q, ld_q, kv, false, 0, pos_dev, n_tokens, n_kv_max, n_head, n_head_kv, head_dim, head_dim_v, scale,
+                    out, ld_out, scratch, scratch_bytes, s);
     return false;
   }
   if (n_head_kv <= 0 || n_head % n_head_kv != 0) fail("attention: n_head must be a multiple of n_head_kv");

@@ -1,16 +1,11 @@
 #include "server/reasoning.h"
 
+#include "text/held_prefix.h"
+
 namespace fitmoe::server {
 
 namespace {
 const std::string kOpen = "<think>", kClose = "</think>";
-
-// The length of the longest tail of s that is a proper prefix of tag.
-size_t partial_tag(const std::string& s, const std::string& tag) {
-  for (size_t n = std::min(s.size(), tag.size() - 1); n > 0; --n)
-    if (s.compare(s.size() - n, n, tag, 0, n) == 0) return n;
-  return 0;
-}
 }  // namespace
 
 bool ThinkSplitter::emit(bool reasoning, const std::string& text) {
@@ -44,7 +39,7 @@ bool ThinkSplitter::feed(const std::string& piece) {
   if (state_ == Reasoning) {
     const size_t at = buf_.find(kClose);
     if (at == std::string::npos) {
-      const size_t keep = partial_tag(buf_, kClose);
+      const size_t keep = held_prefix(buf_, kClose);
       const std::string out = buf_.substr(0, buf_.size() - keep);
       buf_.erase(0, buf_.size() - keep);
       return emit(true, out);

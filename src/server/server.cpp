@@ -16,6 +16,7 @@
 #include "runtime/error.h"
 #include "server/reasoning.h"
 #include "server/tool_calls.h"
+#include "text/held_prefix.h"
 #include "text/chat.h"
 #include "text/tokenizer.h"
 
@@ -374,17 +375,6 @@ struct Server::Impl {
     StreamDecoder dec(*tok);
     size_t sent = 0;
     bool stopped = false;
-    // The longest tail of text that is a proper prefix of a stop string: held back.
-    auto held = [&](const std::string& t) {
-      size_t h = 0;
-      for (const std::string& st : g.stop)
-        for (size_t n = std::min(st.size() - 1, t.size()); n > h; --n)
-          if (t.compare(t.size() - n, n, st, 0, n) == 0) {
-            h = n;
-            break;
-          }
-      return h;
-    };
     auto flush_to = [&](size_t end) {
       if (end > sent) {
         if (!emit(r.text.substr(sent, end - sent))) r.cancelled = true;
@@ -411,7 +401,7 @@ struct Server::Impl {
           return false;
         }
       }
-      return flush_to(r.text.size() - held(r.text));
+      return flush_to(r.text.size() - held_prefix(r.text, g.stop));  // (what may still become a stop string)
     }, tok->eog_tokens(), &st);
     if (!stopped && !r.cancelled) {
       r.text += dec.flush();

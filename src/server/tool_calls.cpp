@@ -2,16 +2,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "text/held_prefix.h"
+
 namespace fitmoe::server {
 
 namespace {
 const std::string kOpen = "<tool_call>", kClose = "</tool_call>";
-
-size_t partial_tag(const std::string& s, const std::string& tag) {
-  for (size_t n = std::min(s.size(), tag.size() - 1); n > 0; --n)
-    if (s.compare(s.size() - n, n, tag, 0, n) == 0) return n;
-  return 0;
-}
 
 std::string trim(const std::string& s) {
   const size_t a = s.find_first_not_of(" \t\r\n");
@@ -93,7 +89,7 @@ bool ToolCallParser::feed(const std::string& piece) {
     }
     const size_t at = buf_.find(kOpen);
     if (at == std::string::npos) {
-      const size_t keep = partial_tag(buf_, kOpen);
+      const size_t keep = held_prefix(buf_, kOpen);
       const std::string out = buf_.substr(0, buf_.size() - keep);
       buf_.erase(0, buf_.size() - keep);
       return out.empty() || content_(out);

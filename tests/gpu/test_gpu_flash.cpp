@@ -311,10 +311,7 @@ TEST_P(GpuFlashReference, LogitsMatchForEveryCacheType) {
     auto prompt = manifest["prompts"][p]["ids"].get<std::vector<int32_t>>();
     const int row0 = ref["logits_rows"][0].get<int>();
     for (const auto& [key, file] : ref["logits_fa_kv"].items()) {
-      const std::string kvs = key.substr(5);
-      const size_t dash = kvs.find('-');
-      KvCacheType kv{DType::F16, DType::F16, FlashAttn::On};
-      ASSERT_TRUE(kv_type_from_name(kvs.substr(0, dash), &kv.k) && kv_type_from_name(kvs.substr(dash + 1), &kv.v)) << key;
+      const KvCacheType kv = fitmoe::test::fa_kv_type(key);
       auto logits = fitmoe::test::read_f32(dir + "/" + file.get<std::string>());
       const std::string label = c.folder + "-" + c.type + " gpu " + p + " " + key;
       std::printf("  %s\n", fitmoe::test::check_logits(*model, prompt, row0, logits, tol, label, kv).c_str());
