@@ -1,4 +1,5 @@
 #include "cuda/engine.h"
+#include "cuda/workspace.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -18,6 +19,7 @@ Engine::Engine(const ModelConfig& c_, const Plan& plan_)
 
 Engine::~Engine() {
   gpu::sync_stream(stream);
+  ws.reset();
   gpu::destroy_stream(stream);
   host_prof.report();
 }

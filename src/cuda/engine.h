@@ -5,7 +5,7 @@
 //
 // The pieces (all in src/cuda/, one concern each):
 //   residency    weights as the GPU sees them (device copies or host-resident), experts packed by slot
-//   workspace    per-state scratch and pinned exchange buffers; GpuState = KV cache + workspace + graphs
+//   workspace    the engine's scratch and pinned exchange buffers; GpuState = KV cache + decode graphs
 //   linear       weight x activation products (mat-vec for decode, dequantize + cuBLAS for prefill)
 //   moe_decode   the MoE executor for decode-sized micro-batches: routing and its publication to the
 //                host, the routing guess and read-ahead, device experts, the GPU's share of host
@@ -14,6 +14,8 @@
 //   step_driver  micro-batches, decode graphs between host points (capture and replay), the flag guard
 //   qwen3_gpu    qwen3 / qwen3moe: its weights and its layer program (the only architecture file)
 #pragma once
+#include <memory>
+#include <span>
 #include <string>
 
 #include "cuda/device.h"
@@ -33,6 +35,10 @@ struct Switches {
   static Switches from(const PlanOptions& o) { return {o.decode_graphs, o.routing_guess}; }
 };
 
+class GpuState;
+struct Workspace;
+struct WorkspaceShape;
+
 struct Engine {
   // Throws (before creating anything on the device) when the model routes more experts per token than
   // the kernels take.
@@ -43,6 +49,11 @@ struct Engine {
 
   // A device copy of `bytes` from host memory, through the accountant (queued on the stream).
   uint8_t* upload(const void* src, size_t bytes, const std::string& what);
+  // The one workspace every sequence of the engine shares (src/cuda/workspace.h), allocated when the
+  // first state is made, for the larger of its context and the plan's (the attention scratch grows with
+  // it); *fresh says it was allocated now (the architecture then adds its own scratch). A later state
+  // must fit it: a larger context or another kind of cache (flash or not) is an error.
+  Workspace& workspace(const WorkspaceShape& shape, const StateOptions& opt, bool* fresh);
 
   const ModelConfig& c;
   const Plan& plan;
@@ -54,17 +65,26 @@ struct Engine {
   HostProfile host_prof;
   RoutingGuessStats guess_stats;
   const Switches sw;
+  std::unique_ptr<Workspace> ws;
+  int ws_n_ctx = 0;
+  bool ws_flash = false;
 };
 
-class GpuState;
-struct Workspace;
+// A sequence's rows of a micro-batch: its state, rows [row0, row0 + n) of the micro-batch, the first
+// one's position (the rest follow).
+struct SeqRows {
+  GpuState* st;
+  int row0, n, pos0;
+};
 
-// One forward call's context, as every piece takes it.
+// One micro-batch's context, as every piece takes it: the engine, its workspace, the thread pool and
+// the sequences whose rows the micro-batch holds (what reads or writes a sequence's own state, its KV
+// cache or recurrent state, runs per sequence; every product runs over all rows at once).
 struct Step {
   Engine& e;
-  GpuState& st;
   Workspace& ws;
   ThreadPool& pool;
+  std::span<const SeqRows> seqs;
 };
 
 // What the host says when the GPU's routing hands over no valid expert: -1 is what NaN router logits

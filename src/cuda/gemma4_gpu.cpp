@@ -58,24 +58,21 @@ struct GLayer {
   bool moe = false;
 };
 
-// Per-sequence state: GpuState's workspace (its own KV cache left empty: the specs it is given have
-// no attention layer) and gemma4's caches and scratch.
+// Per-sequence state: a GpuState (its own KV cache left empty: the specs it is given have no attention
+// layer; its decode graphs) and gemma4's caches (rings on sliding layers, none on shared-KV layers).
 class Gemma4GpuState final : public gpu::GpuState {
  public:
-  Gemma4GpuState(gpu::Engine& e, const StateOptions& opt, const gpu::WorkspaceShape& shape,
-                 const std::vector<LayerSpec>& specs, const std::vector<LayerSpec>& no_kv)
-      : GpuState(e, opt, shape, &no_kv), e_(e) {
+  Gemma4GpuState(gpu::Engine& e, const StateOptions& opt, const std::vector<LayerSpec>& specs,
+                 const std::vector<LayerSpec>& no_kv)
+      : GpuState(e, opt, &no_kv), e_(e) {
     const int L = static_cast<int>(specs.size());
     std::vector<int> dk, dv;
     for (const LayerSpec& l : specs) dk.push_back(l.attn().head_dim), dv.push_back(l.attn().head_dim_v);
     const KvRotation rot = gpu::check_gpu_kv_type(opt.kv, dk, dv);
     kv_.assign(L, gpu::DevKv{opt.kv.k, nullptr, nullptr, 0});
     ring_.assign(L, false);
-    int64_t qw = 1, kw = 1;
     for (int l = 0; l < L; ++l) {
       const AttnSpec& a = specs[l].attn();
-      qw = std::max<int64_t>(qw, static_cast<int64_t>(a.n_head) * a.head_dim);
-      kw = std::max<int64_t>(kw, static_cast<int64_t>(a.n_head_kv) * a.head_dim);
       if (a.kv_from >= 0) continue;
       const int cap = static_cast<int>(a.kv_positions(opt.n_ctx));
       ring_[l] = a.window > 0;
@@ -87,29 +84,6 @@ class Gemma4GpuState final : public gpu::GpuState {
     for (int l = 0; l < L; ++l) {
       const AttnSpec& a = specs[l].attn();
       if (a.kv_from >= 0) kv_[l] = kv_[a.kv_from], ring_[l] = ring_[a.kv_from];
-    }
-    const ModelConfig& c = e.c;
-    const int64_t U = ws.ub, E = c.n_embd;
-    q = ws.dev_floats(U * qw, "activations");
-    k = ws.dev_floats(U * kw, "activations");
-    v = ws.dev_floats(U * kw, "activations");
-    att = ws.dev_floats(U * qw, "activations");
-    y2 = ws.dev_floats(U * E, "activations");
-    rin = ws.dev_floats(U * E, "activations");
-    xe = ws.dev_floats(U * E, "activations");
-    dg = ws.dev_floats(U * std::max(c.n_ff, 1), "activations");
-    du = ws.dev_floats(U * std::max(c.n_ff, 1), "activations");
-    if (c.n_expert) {
-      const int64_t slots = static_cast<int64_t>(gpu::kMaxVecTokens) * c.n_expert_used;
-      eg = ws.dev_floats(slots * c.n_ff_exp, "activations");
-      eu = ws.dev_floats(slots * c.n_ff_exp, "activations");
-      ey = ws.dev_floats(U * c.n_expert_used * E, "activations");
-      rlog = ws.dev_floats(U * c.n_expert, "activations");
-      ids = static_cast<int32_t*>(ws.dev_bytes(sizeof(int32_t) * U * c.n_expert_used, "activations"));
-      wts = ws.dev_floats(U * c.n_expert_used, "activations");
-      h_ids = ws.host<int32_t>(static_cast<size_t>(U) * c.n_expert_used);
-      h_xe = ws.host<float>(static_cast<size_t>(U) * E);
-      h_ey = ws.host<float>(static_cast<size_t>(U) * c.n_expert_used * E);
     }
     gpu::sync_stream(e.stream);
   }
@@ -130,12 +104,6 @@ class Gemma4GpuState final : public gpu::GpuState {
 
   const gpu::DevKv& kv(int l) const { return kv_[l]; }
   bool ring(int l) const { return ring_[l]; }
-
-  float *q = nullptr, *k = nullptr, *v = nullptr, *att = nullptr, *y2 = nullptr, *rin = nullptr, *xe = nullptr;
-  float *dg = nullptr, *du = nullptr, *eg = nullptr, *eu = nullptr, *ey = nullptr, *rlog = nullptr, *wts = nullptr;
-  int32_t* ids = nullptr;
-  int32_t* h_ids = nullptr;
-  float *h_xe = nullptr, *h_ey = nullptr;
 
  private:
   gpu::Engine& e_;
@@ -180,16 +148,18 @@ class Gemma4Gpu final : public GpuRunner, private gpu::LayerProgram {
       shape.act_width = std::max<int64_t>({shape.act_width, static_cast<int64_t>(a.n_head) * a.head_dim,
                                            static_cast<int64_t>(a.n_head_kv) * a.head_dim, c_.n_ff, c_.n_ff_exp});
     }
-    return std::make_unique<Gemma4GpuState>(e_, opt, shape, specs_, no_kv_);
+    bool fresh;
+    gpu::Workspace& ws = e_.workspace(shape, opt, &fresh);
+    if (fresh) alloc_scratch(ws);
+    return std::make_unique<Gemma4GpuState>(e_, opt, specs_, no_kv_);
   }
 
   std::string memory_report() const override { return e_.mem.usage_report(); }
 
-  void forward(ModelState& st, ThreadPool& pool, std::span<const int32_t> tokens, int n_logits,
-               float* logits) override {
-    auto* S = dynamic_cast<Gemma4GpuState*>(&st);
-    if (!S) throw Error("forward: the state is not a " + c_.arch + " GPU state");
-    driver_->forward(*S, pool, tokens, n_logits, logits);
+  void forward(ThreadPool& pool, const BatchRows& batch, float* logits) override {
+    for (const BatchPart& p : batch.parts)
+      if (!dynamic_cast<Gemma4GpuState*>(p.state)) throw Error("forward: the state is not a " + c_.arch + " GPU state");
+    driver_->forward(pool, batch, logits);
   }
 
  private:
@@ -281,7 +251,48 @@ class Gemma4Gpu final : public GpuRunner, private gpu::LayerProgram {
     X.slot_of_dev = reinterpret_cast<int32_t*>(e_.upload(X.slot_of.data(), sizeof(int32_t) * NE, "routing tables"));
   }
 
-  static Gemma4GpuState& state(Step& s) { return static_cast<Gemma4GpuState&>(s.st); }
+  static Gemma4GpuState& state(const gpu::SeqRows& q) { return static_cast<Gemma4GpuState&>(*q.st); }
+
+  // gemma4's scratch beyond the workspace's (allocated from it once, shared by every sequence).
+  struct Scratch {
+    float *q = nullptr, *k = nullptr, *v = nullptr, *att = nullptr, *y2 = nullptr, *rin = nullptr, *xe = nullptr;
+    float *dg = nullptr, *du = nullptr, *eg = nullptr, *eu = nullptr, *ey = nullptr, *rlog = nullptr, *wts = nullptr;
+    int32_t* ids = nullptr;
+    int32_t* h_ids = nullptr;
+    float *h_xe = nullptr, *h_ey = nullptr;
+  } S_;
+  void alloc_scratch(gpu::Workspace& ws) {
+    int64_t qw = 1, kw = 1;
+    for (const LayerSpec& sp : specs_) {
+      qw = std::max<int64_t>(qw, static_cast<int64_t>(sp.attn().n_head) * sp.attn().head_dim);
+      kw = std::max<int64_t>(kw, static_cast<int64_t>(sp.attn().n_head_kv) * sp.attn().head_dim);
+    }
+    const ModelConfig& c = c_;
+    Scratch& S = S_;
+    const int64_t U = ws.ub, E = c.n_embd;
+    S.q = ws.dev_floats(U * qw, "activations");
+    S.k = ws.dev_floats(U * kw, "activations");
+    S.v = ws.dev_floats(U * kw, "activations");
+    S.att = ws.dev_floats(U * qw, "activations");
+    S.y2 = ws.dev_floats(U * E, "activations");
+    S.rin = ws.dev_floats(U * E, "activations");
+    S.xe = ws.dev_floats(U * E, "activations");
+    S.dg = ws.dev_floats(U * std::max(c.n_ff, 1), "activations");
+    S.du = ws.dev_floats(U * std::max(c.n_ff, 1), "activations");
+    if (c.n_expert) {
+      const int64_t slots = static_cast<int64_t>(gpu::kMaxVecTokens) * c.n_expert_used;
+      S.eg = ws.dev_floats(slots * c.n_ff_exp, "activations");
+      S.eu = ws.dev_floats(slots * c.n_ff_exp, "activations");
+      S.ey = ws.dev_floats(U * c.n_expert_used * E, "activations");
+      S.rlog = ws.dev_floats(U * c.n_expert, "activations");
+      S.ids = static_cast<int32_t*>(ws.dev_bytes(sizeof(int32_t) * U * c.n_expert_used, "activations"));
+      S.wts = ws.dev_floats(U * c.n_expert_used, "activations");
+      S.h_ids = ws.host<int32_t>(static_cast<size_t>(U) * c.n_expert_used);
+      S.h_xe = ws.host<float>(static_cast<size_t>(U) * E);
+      S.h_ey = ws.host<float>(static_cast<size_t>(U) * c.n_expert_used * E);
+    }
+    gpu::sync_stream(e_.stream);
+  }
 
   // ---- the layer program ------------------------------------------------------------------------
   void embed_host(Step& s, std::span<const int32_t> tokens) override {
@@ -305,10 +316,9 @@ class Gemma4Gpu final : public GpuRunner, private gpu::LayerProgram {
   }
 
   // On entry ws.xn = attn_norm(x). Leaves the FFN's output (before post_ffw_norm) in ws.y.
-  void front(Step& s, int l, int nt, int pos0) override {
-    (void)pos0;
+  void front(Step& s, int l, int nt) override {
     gpu::Workspace& ws = s.ws;
-    Gemma4GpuState& S = state(s);
+    Scratch& S = S_;
     void* const stream = e_.stream;
     GLayer& G = layers_[l];
     const int E = c_.n_embd;
@@ -370,7 +380,7 @@ class Gemma4Gpu final : public GpuRunner, private gpu::LayerProgram {
   // the store; attention over the layer's (or its source's) cache; wo into ws.y.
   void attention_block(Step& s, int l, int nt) {
     gpu::Workspace& ws = s.ws;
-    Gemma4GpuState& S = state(s);
+    Scratch& S = S_;
     void* const stream = e_.stream;
     GLayer& G = layers_[l];
     const AttnSpec& a = G.spec.attn();
@@ -389,27 +399,36 @@ class Gemma4Gpu final : public GpuRunner, private gpu::LayerProgram {
     }
     gpu::rms_norm(S.q, G.q_norm, S.q, hd, nt * a.n_head, eps, hd, hd, stream);
     gpu::gemma4_rope(S.q, nt, a.n_head, hd, qw, a.n_rot, ws.pos, rope, ff, stream);
-    const gpu::DevKv& kv = S.kv(l);
     if (a.kv_from < 0) {
       if (!(G.wv.host && *G.wv.host))  // K = V: V is the raw K projection
         gpu::copy_d2d(S.v, S.k, sizeof(float) * static_cast<size_t>(nt) * kw, stream);
       gpu::rms_norm(S.k, G.k_norm, S.k, hd, nt * a.n_head_kv, eps, hd, hd, stream);
       gpu::rms_norm(S.v, nullptr, S.v, hd, nt * a.n_head_kv, eps, hd, hd, stream);
       gpu::gemma4_rope(S.k, nt, a.n_head_kv, hd, kw, a.n_rot, ws.pos, rope, ff, stream);
-      if (kv.flash)
-        gpu::flash_kv_store(kv, S.ring(l), ws.pos, nt, S.k, kw, S.v, kw, a.n_head_kv, hd, hd, stream);
-      else
-        gpu::gemma4_kv_store(kv, S.ring(l), ws.pos, nt, S.k, kw, S.v, kw, a.n_head_kv, hd, stream);
     }
-    e_.prof.mark(a.window > 0 ? "q/k/v, norms, rope, store (sliding)" : "q/k/v, norms, rope, store (global)", stream);
-    if (kv.flash)  // (the most keys a query sees: the window, or the cache's capacity, as gemma4_attention)
-      gpu::flash_attention(S.q, qw, kv, S.ring(l), a.window, ws.pos, nt,
-                           a.window > 0 ? std::min(a.window, kv.n_ctx) : kv.n_ctx, a.n_head, a.n_head_kv, hd, hd,
-                           a.scale, S.att, qw, ws.attn_scratch, ws.attn_scratch_bytes, stream);
-    else
-      gpu::gemma4_attention(S.q, qw, kv, S.ring(l), ws.pos, nt, a.n_head, a.n_head_kv, hd, a.scale, a.window, S.att, qw,
-                            stream);
-    e_.prof.mark(a.window > 0 ? "attention (sliding)" : "attention (global)", stream);
+    // Per sequence: the store into its cache (ring), attention over it.
+    for (const gpu::SeqRows& sq : s.seqs) {
+      const Gemma4GpuState& st = state(sq);
+      const gpu::DevKv& kv = st.kv(l);
+      const int64_t r = sq.row0;
+      if (a.kv_from < 0) {
+        if (kv.flash)
+          gpu::flash_kv_store(kv, st.ring(l), ws.pos + r, sq.n, S.k + r * kw, kw, S.v + r * kw, kw, a.n_head_kv, hd, hd,
+                              stream);
+        else
+          gpu::gemma4_kv_store(kv, st.ring(l), ws.pos + r, sq.n, S.k + r * kw, kw, S.v + r * kw, kw, a.n_head_kv, hd,
+                               stream);
+      }
+      e_.prof.mark(a.window > 0 ? "q/k/v, norms, rope, store (sliding)" : "q/k/v, norms, rope, store (global)", stream);
+      if (kv.flash)  // (the most keys a query sees: the window, or the cache's capacity, as gemma4_attention)
+        gpu::flash_attention(S.q + r * qw, qw, kv, st.ring(l), a.window, ws.pos + r, sq.n,
+                             a.window > 0 ? std::min(a.window, kv.n_ctx) : kv.n_ctx, a.n_head, a.n_head_kv, hd, hd,
+                             a.scale, S.att + r * qw, qw, ws.attn_scratch, ws.attn_scratch_bytes, stream);
+      else
+        gpu::gemma4_attention(S.q + r * qw, qw, kv, st.ring(l), ws.pos + r, sq.n, a.n_head, a.n_head_kv, hd, a.scale,
+                              a.window, S.att + r * qw, qw, stream);
+      e_.prof.mark(a.window > 0 ? "attention (sliding)" : "attention (global)", stream);
+    }
     gpu::linear(s, G.wo, S.att, nt, ws.y, c_.n_embd);
   }
 
@@ -417,7 +436,7 @@ class Gemma4Gpu final : public GpuRunner, private gpu::LayerProgram {
   // post_ffw_norm_2), as the CPU's ffn_block.
   void moe_block(Step& s, int l, int nt) {
     gpu::Workspace& ws = s.ws;
-    Gemma4GpuState& S = state(s);
+    Scratch& S = S_;
     void* const stream = e_.stream;
     GLayer& G = layers_[l];
     G4Experts& X = G.experts;
@@ -483,7 +502,7 @@ class Gemma4Gpu final : public GpuRunner, private gpu::LayerProgram {
   // dequantization scratch, which the grouped products do not use.
   void grouped_experts(Step& s, int l, int nt) {
     gpu::Workspace& ws = s.ws;
-    Gemma4GpuState& S = state(s);
+    Scratch& S = S_;
     void* const stream = e_.stream;
     G4Experts& X = layers_[l].experts;
     const int E = c_.n_embd, NE = c_.n_expert, k = c_.n_expert_used, n_slots = nt * k;

@@ -56,47 +56,30 @@ ModelConfig trunk_config(const ModelConfig& c) {
   return t;
 }
 
-// Per-sequence state on the GPU: GpuState (KV caches of the attention layers, workspace, graphs),
-// the DeltaNet layers' conv + delta state in one device block (so that a checkpoint is one copy), the
-// checkpoints (allocated with the state, as the plan charges them), and qwen35's own scratch.
+// Per-sequence state on the GPU: GpuState (KV caches of the attention layers, graphs), the DeltaNet
+// layers' conv + delta state in one device block (so that a checkpoint is one copy) and the
+// checkpoints (allocated with the state, as the plan charges them).
 // checkpoint / truncate have the CPU state's semantics (src/model/qwen35.cpp): a checkpoint copies the
 // recurrent block at n_past (position 0 is the zero state); truncate(n) lands at the nearest
 // checkpoint at or below n (or 0) and the caller feeds the tokens up to n again. Every copy is queued
 // on the engine's stream, in order with the forward passes.
 class Qwen35GpuState final : public gpu::GpuState {
  public:
-  Qwen35GpuState(gpu::Engine& e, const StateOptions& opt, const gpu::WorkspaceShape& shape,
-                 const std::vector<LayerSpec>& specs)
-      : GpuState(e, opt, shape, &specs), e_(e), max_cps_(std::max(0, opt.max_checkpoints)) {
+  Qwen35GpuState(gpu::Engine& e, const StateOptions& opt, const std::vector<LayerSpec>& specs)
+      : GpuState(e, opt, &specs), e_(e), max_cps_(std::max(0, opt.max_checkpoints)) {
     const int L = static_cast<int>(specs.size());
     conv_off_.assign(L, -1);
     delta_off_.assign(L, -1);
-    int64_t rec = 0, ch = 1, vd = 1, hv = 1, qw = 1;
+    int64_t rec = 0;
     for (int l = 0; l < L; ++l) {
-      if (specs[l].is_attention()) {
-        const AttnSpec& a = specs[l].attn();
-        qw = std::max<int64_t>(qw, static_cast<int64_t>(a.n_head) * a.head_dim);
-        continue;
-      }
+      if (specs[l].is_attention()) continue;
       const DeltaSpec& d = specs[l].delta();
       conv_off_[l] = rec;
       rec += d.conv_state_floats();
       delta_off_[l] = rec;
       rec += d.delta_state_floats();
-      ch = std::max<int64_t>(ch, d.conv_channels());
-      vd = std::max<int64_t>(vd, d.value_dim());
-      hv = std::max<int64_t>(hv, d.n_v_heads);
     }
     rec_floats_ = rec;
-    const int64_t U = ws.ub;
-    qkv = ws.dev_floats(U * ch, "activations");
-    co = ws.dev_floats(U * ch, "activations");
-    z = ws.dev_floats(U * vd, "activations");
-    beta = ws.dev_floats(U * hv, "activations");
-    alpha = ws.dev_floats(U * hv, "activations");
-    o = ws.dev_floats(U * vd, "activations");
-    qg = ws.dev_floats(U * 2 * qw, "activations");
-    gate = ws.dev_floats(U * qw, "activations");
     if (rec_floats_ > 0) {
       rec_ = static_cast<float*>(e.mem.alloc(rec_bytes(), "DeltaNet state"));
       gpu::memset_async(rec_, 0, rec_bytes(), e.stream);
@@ -156,11 +139,6 @@ class Qwen35GpuState final : public gpu::GpuState {
 
   float* conv(int l) { return rec_ + conv_off_[l]; }
   float* delta(int l) { return rec_ + delta_off_[l]; }
-
-  // qwen35's scratch beyond the workspace's: the DeltaNet's projections, conv output, gates and
-  // output; gated attention's [q | gate] rows and its gate.
-  float *qkv = nullptr, *co = nullptr, *z = nullptr, *beta = nullptr, *alpha = nullptr, *o = nullptr;
-  float *qg = nullptr, *gate = nullptr;
 
  private:
   struct Checkpoint {
@@ -226,17 +204,19 @@ class Qwen35Gpu final : public GpuRunner, private gpu::LayerProgram {
         shape.act_width = std::max<int64_t>({shape.act_width, sp.delta().conv_channels(), sp.delta().value_dim()});
       }
     }
-    return std::make_unique<Qwen35GpuState>(e_, opt, shape, specs_);
+    bool fresh;
+    gpu::Workspace& ws = e_.workspace(shape, opt, &fresh);
+    if (fresh) alloc_scratch(ws);
+    return std::make_unique<Qwen35GpuState>(e_, opt, specs_);
   }
 
   std::string memory_report() const override { return e_.mem.usage_report(); }
   RoutingGuessStats routing_guess_stats() const override { return e_.guess_stats; }
 
-  void forward(ModelState& st, ThreadPool& pool, std::span<const int32_t> tokens, int n_logits,
-               float* logits) override {
-    auto* S = dynamic_cast<Qwen35GpuState*>(&st);
-    if (!S) throw Error("forward: the state is not a " + ct_.arch + " GPU state");
-    driver_->forward(*S, pool, tokens, n_logits, logits);
+  void forward(ThreadPool& pool, const BatchRows& batch, float* logits) override {
+    for (const BatchPart& p : batch.parts)
+      if (!dynamic_cast<Qwen35GpuState*>(p.state)) throw Error("forward: the state is not a " + ct_.arch + " GPU state");
+    driver_->forward(pool, batch, logits);
   }
 
  private:
@@ -302,7 +282,37 @@ class Qwen35Gpu final : public GpuRunner, private gpu::LayerProgram {
     }
   }
 
-  static Qwen35GpuState& state(Step& s) { return static_cast<Qwen35GpuState&>(s.st); }
+  static Qwen35GpuState& state(const gpu::SeqRows& q) { return static_cast<Qwen35GpuState&>(*q.st); }
+
+  // qwen35's scratch beyond the workspace's (allocated from it once, shared by every sequence): the
+  // DeltaNet's projections, conv output, gates and output; gated attention's [q | gate] rows and its gate.
+  void alloc_scratch(gpu::Workspace& ws) {
+    int64_t ch = 1, vd = 1, hv = 1, qw = 1;
+    for (const LayerSpec& sp : specs_) {
+      if (sp.is_attention()) {
+        qw = std::max<int64_t>(qw, static_cast<int64_t>(sp.attn().n_head) * sp.attn().head_dim);
+        continue;
+      }
+      const DeltaSpec& d = sp.delta();
+      ch = std::max<int64_t>(ch, d.conv_channels());
+      vd = std::max<int64_t>(vd, d.value_dim());
+      hv = std::max<int64_t>(hv, d.n_v_heads);
+    }
+    const int64_t U = ws.ub;
+    S.qkv = ws.dev_floats(U * ch, "activations");
+    S.co = ws.dev_floats(U * ch, "activations");
+    S.z = ws.dev_floats(U * vd, "activations");
+    S.beta = ws.dev_floats(U * hv, "activations");
+    S.alpha = ws.dev_floats(U * hv, "activations");
+    S.o = ws.dev_floats(U * vd, "activations");
+    S.qg = ws.dev_floats(U * 2 * qw, "activations");
+    S.gate = ws.dev_floats(U * qw, "activations");
+    gpu::sync_stream(e_.stream);
+  }
+  struct Scratch {
+    float *qkv = nullptr, *co = nullptr, *z = nullptr, *beta = nullptr, *alpha = nullptr, *o = nullptr;
+    float *qg = nullptr, *gate = nullptr;
+  } S;
 
   // ---- the layer program (gpu::LayerProgram) ---------------------------------------------------
   void embed_host(Step& s, std::span<const int32_t> tokens) override {
@@ -327,13 +337,13 @@ class Qwen35Gpu final : public GpuRunner, private gpu::LayerProgram {
   // The mixer block (x -> x + mixer(xn), xn = post_attention_norm(x)), then the FFN up to the
   // hand-over. On entry xn holds attn_norm(x). With folds_norm (no shared expert, every expert on the
   // GPU, one token) the block ends at the mixer's output in y_attn and the router's launch does the rest.
-  void front(Step& s, int l, int nt, int pos0) override {
+  void front(Step& s, int l, int nt) override {
     gpu::Workspace& ws = s.ws;
     GLayer& G = layers_[l];
     const int E = ct_.n_embd;
     const bool fold = moe_->folds_norm(l, nt);
     float* out = fold ? ws.y_attn : ws.y;
-    if (G.spec.is_attention()) attention_block(s, l, nt, pos0, out);
+    if (G.spec.is_attention()) attention_block(s, l, nt, out);
     else delta_block(s, l, nt, out);
     if (!fold) {
       const GWeight& next = G.moe ? GWeight{G.experts.gate, nullptr} : G.ffn_gate;
@@ -364,9 +374,8 @@ class Qwen35Gpu final : public GpuRunner, private gpu::LayerProgram {
 
   // Gated full attention (deltanet.h's order): [q | gate], k, v from one input; the prologue (q, k
   // RMSNorm, multi-section RoPE, the cache store, the gate split off); attention; * sigmoid(gate); wo.
-  void attention_block(Step& s, int l, int nt, int pos0, float* out) {
+  void attention_block(Step& s, int l, int nt, float* out) {
     gpu::Workspace& ws = s.ws;
-    Qwen35GpuState& S = state(s);
     void* const stream = e_.stream;
     GLayer& G = layers_[l];
     const AttnSpec& a = G.spec.attn();
@@ -375,12 +384,15 @@ class Qwen35Gpu final : public GpuRunner, private gpu::LayerProgram {
                   vw = static_cast<int64_t>(a.n_head_kv) * hdv, aw = static_cast<int64_t>(a.n_head) * hdv;
     gpu::linear_shared(s, {{&G.wq, S.qg, 2 * qw}, {&G.wk, ws.k, kw}, {&G.wv, ws.v, vw}}, ws.xn, nt);
     e_.prof.mark("attn q+gate,k,v", stream);
-    const gpu::DevKv& kv = s.st.kv.layers[l];
-    gpu::gated_attn_prologue(a, nt, S.qg, 2 * qw, ws.q, qw, S.gate, qw, ws.k, kw, ws.v, vw, G.q_norm, G.k_norm, &kv,
-                             ws.pos, rope_, ct_.rms_eps, stream);
-    e_.prof.mark("q/k norm + rope + kv store", stream);
-    gpu::attention(ws.q, qw, kv, pos0, ws.pos, nt, s.st.n_ctx(), a.n_head, a.n_head_kv, hd, hdv, a.scale, ws.att, aw,
-                   ws.attn_scratch, ws.attn_scratch_bytes, stream, nullptr);
+    for (const gpu::SeqRows& q : s.seqs) {  // (each sequence's rows into its own cache)
+      const gpu::DevKv& kv = q.st->kv.layers[l];
+      const int64_t r = q.row0;
+      gpu::gated_attn_prologue(a, q.n, S.qg + r * 2 * qw, 2 * qw, ws.q + r * qw, qw, S.gate + r * qw, qw, ws.k + r * kw,
+                               kw, ws.v + r * vw, vw, G.q_norm, G.k_norm, &kv, ws.pos + r, rope_, ct_.rms_eps, stream);
+      e_.prof.mark("q/k norm + rope + kv store", stream);
+      gpu::attention(ws.q + r * qw, qw, kv, q.pos0, ws.pos + r, q.n, q.st->n_ctx(), a.n_head, a.n_head_kv, hd, hdv,
+                     a.scale, ws.att + r * aw, aw, ws.attn_scratch, ws.attn_scratch_bytes, stream, nullptr);
+    }
     ws.att_q_valid = false;  // (the gate comes first)
     e_.prof.mark("attention", stream);
     gpu::delta_mul_sigmoid(ws.att, S.gate, nt * aw, stream);
@@ -390,10 +402,10 @@ class Qwen35Gpu final : public GpuRunner, private gpu::LayerProgram {
 
   // Gated DeltaNet (deltanet.h's order): qkv, z, beta, alpha from one input; conv1d + SiLU with its
   // state; the delta rule (the gates formed in the kernel; q and k L2-normalised in it for decode,
-  // by delta_l2_norm first for prefill); the gated RMSNorm; ssm_out.
+  // by delta_l2_norm first for prefill); the gated RMSNorm; ssm_out. Conv and rule per sequence (its
+  // own state), the rest over every row.
   void delta_block(Step& s, int l, int nt, float* out) {
     gpu::Workspace& ws = s.ws;
-    Qwen35GpuState& S = state(s);
     void* const stream = e_.stream;
     GLayer& G = layers_[l];
     const DeltaSpec& d = G.spec.delta();
@@ -401,11 +413,17 @@ class Qwen35Gpu final : public GpuRunner, private gpu::LayerProgram {
     gpu::linear_shared(s, {{&G.wqkv, S.qkv, ch}, {&G.wgate, S.z, vd}, {&G.w_beta, S.beta, hv}, {&G.w_alpha, S.alpha, hv}},
                        ws.xn, nt);
     e_.prof.mark("deltanet qkv,z,beta,alpha", stream);
-    gpu::delta_conv1d_silu(S.qkv, ch, nt, static_cast<int>(ch), G.conv1d, d.conv_kernel, S.conv(l), S.co, ch, stream);
+    for (const gpu::SeqRows& q : s.seqs)
+      gpu::delta_conv1d_silu(S.qkv + q.row0 * ch, ch, q.n, static_cast<int>(ch), G.conv1d, d.conv_kernel,
+                             state(q).conv(l), S.co + q.row0 * ch, ch, stream);
     const bool prefill = nt > gpu::kMaxVecTokens;
     if (prefill) gpu::delta_l2_norm(S.co, ch, nt, 2 * d.n_k_heads, d.head_k_dim, ct_.rms_eps, stream);
-    gpu::gated_delta_rule(d, nt, S.co, S.co + kd, ch, S.co + 2 * kd, ch, S.alpha, S.beta, hv, G.dt_bias, G.ssm_a,
-                          !prefill, ct_.rms_eps, S.delta(l), S.o, vd, stream);
+    for (const gpu::SeqRows& q : s.seqs) {
+      const int64_t r = q.row0;
+      float* c0 = S.co + r * ch;
+      gpu::gated_delta_rule(d, q.n, c0, c0 + kd, ch, c0 + 2 * kd, ch, S.alpha + r * hv, S.beta + r * hv, hv, G.dt_bias,
+                            G.ssm_a, !prefill, ct_.rms_eps, state(q).delta(l), S.o + r * vd, vd, stream);
+    }
     gpu::delta_gated_rms_norm(S.o, G.ssm_norm, S.z, S.o, d.head_v_dim, nt * d.n_v_heads, ct_.rms_eps, stream);
     e_.prof.mark("deltanet conv + rule + norm", stream);
     gpu::linear(s, G.ssm_out, S.o, nt, out, ct_.n_embd);

@@ -18,6 +18,7 @@
 #include "cuda/linear.h"
 #include "cuda/step_driver.h"
 #include "model/qwen3.h"
+#include "runtime/error.h"
 #include "runtime/thread_pool.h"
 
 namespace fitmoe {
@@ -71,15 +72,18 @@ class Qwen3Gpu final : public GpuRunner, private gpu::LayerProgram {
                                                               L.experts.down.matrix_bytes());
       shape.host_experts = streamer_->has_host_experts();
     }
-    return std::make_unique<gpu::GpuState>(e_, opt, shape);
+    bool fresh;
+    e_.workspace(shape, opt, &fresh);
+    return std::make_unique<gpu::GpuState>(e_, opt);
   }
 
   std::string memory_report() const override { return e_.mem.usage_report(); }
   RoutingGuessStats routing_guess_stats() const override { return e_.guess_stats; }
 
-  void forward(ModelState& st, ThreadPool& pool, std::span<const int32_t> tokens, int n_logits,
-               float* logits) override {
-    driver_->forward(static_cast<gpu::GpuState&>(st), pool, tokens, n_logits, logits);
+  void forward(ThreadPool& pool, const BatchRows& batch, float* logits) override {
+    for (const BatchPart& p : batch.parts)
+      if (!dynamic_cast<gpu::GpuState*>(p.state)) throw Error("forward: the state is not a " + c_.arch + " GPU state");
+    driver_->forward(pool, batch, logits);
   }
 
  private:
@@ -144,8 +148,8 @@ class Qwen3Gpu final : public GpuRunner, private gpu::LayerProgram {
     gpu::rms_norm(ws.x, layers_[0].attn_norm, ws.xn, c_.n_embd, nt, c_.rms_eps, c_.n_embd, c_.n_embd, stream);
   }
 
-  void front(Step& s, int l, int nt, int pos0) override {
-    attention_block(s, l, nt, pos0);
+  void front(Step& s, int l, int nt) override {
+    attention_block(s, l, nt);
     const gpu::MoeIo io{s.ws.xn, s.ws.xn};
     if (layers_[l].moe && nt > gpu::kMaxVecTokens) streamer_->run(s, l, nt, io);
     else if (layers_[l].moe) moe_->gpu_part(s, l, nt, io);
@@ -168,7 +172,7 @@ class Qwen3Gpu final : public GpuRunner, private gpu::LayerProgram {
   // Attention block of layer l and the FFN norm: x -> x + attn(xn), xn = ffn_norm(x). On entry xn
   // holds attn_norm(x) (from inputs or the previous layer's back). With folds_norm the block ends at
   // the attention output (in y_attn); the router's launch does the rest.
-  void attention_block(Step& s, int l, int nt, int pos0) {
+  void attention_block(Step& s, int l, int nt) {
     const ModelConfig& c = c_;
     gpu::Workspace& st = s.ws;
     void* const stream = e_.stream;
@@ -178,18 +182,25 @@ class Qwen3Gpu final : public GpuRunner, private gpu::LayerProgram {
     const int qw = c.n_head * hd, kw = c.n_head_kv * hd, vw = c.n_head_kv * hdv, aw = c.n_head * hdv;
     gpu::linear_shared(s, {{&G.wq, st.q, qw}, {&G.wk, st.k, kw}, {&G.wv, st.v, vw}}, st.xn, nt);
     prof.mark("attn q,k,v", stream);
-    const gpu::DevKv& kv = s.st.kv.layers[l];
-    gpu::qk_norm_rope_store(st.q, qw, st.k, kw, st.v, vw, G.q_norm, G.k_norm, kv, st.pos, nt, c.n_head, c.n_head_kv,
-                            hd, hdv, c.n_rot, rope_, c.rms_eps, stream);
-    prof.mark("q/k norm + rope + kv store", stream);
-    // The decode kernel can hand wo its input in Q8_K (one quantize launch fewer).
-    void* att_q = st.att_q && nt <= gpu::kMaxVecTokens && G.wo.on_gpu() &&
+    // Per sequence: its rows' norms, RoPE and store into its cache, then attention over it. The
+    // decode kernel can hand wo its input in Q8_K (one quantize launch fewer) when one sequence fills
+    // the micro-batch.
+    void* att_q = st.att_q && nt <= gpu::kMaxVecTokens && s.seqs.size() == 1 && G.wo.on_gpu() &&
                           dtype_info(G.wo.dev.type).act_type == DType::Q8_K
                       ? st.att_q
                       : nullptr;
-    st.att_q_valid = gpu::attention(st.q, qw, kv, pos0, st.pos, nt, s.st.n_ctx(), c.n_head, c.n_head_kv, hd, hdv,
-                                    1.0f / std::sqrt(static_cast<float>(hd)), st.att, aw, st.attn_scratch,
-                                    st.attn_scratch_bytes, stream, att_q);
+    st.att_q_valid = att_q != nullptr;
+    for (const gpu::SeqRows& q : s.seqs) {
+      const gpu::DevKv& kv = q.st->kv.layers[l];
+      const int64_t r = q.row0;
+      gpu::qk_norm_rope_store(st.q + r * qw, qw, st.k + r * kw, kw, st.v + r * vw, vw, G.q_norm, G.k_norm, kv,
+                              st.pos + r, q.n, c.n_head, c.n_head_kv, hd, hdv, c.n_rot, rope_, c.rms_eps, stream);
+      prof.mark("q/k norm + rope + kv store", stream);
+      const bool q8 = gpu::attention(st.q + r * qw, qw, kv, q.pos0, st.pos + r, q.n, q.st->n_ctx(), c.n_head,
+                                     c.n_head_kv, hd, hdv, 1.0f / std::sqrt(static_cast<float>(hd)), st.att + r * aw, aw,
+                                     st.attn_scratch, st.attn_scratch_bytes, stream, att_q);
+      st.att_q_valid = st.att_q_valid && q8;
+    }
     prof.mark("attention", stream);
     const bool fold = moe_->folds_norm(l, nt);
     gpu::linear(s, G.wo, st.att, nt, fold ? st.y_attn : st.y, E);

@@ -83,28 +83,51 @@ class Segments {
 
 }  // namespace
 
-void StepDriver::forward(GpuState& st, ThreadPool& pool, std::span<const int32_t> tokens, int n_logits, float* logits) {
-  Step s{e_, st, st.ws, pool};
-  const int T = static_cast<int>(tokens.size());
-  const int first_logit = T - n_logits;
-  for (int t0 = 0; t0 < T; t0 += st.ws.ub) {
-    const int nt = std::min(st.ws.ub, T - t0);
-    const int want_from = std::max(first_logit, t0);
-    const int n_out = std::max(0, t0 + nt - want_from);
-    micro_batch(s, tokens.subspan(t0, nt), st.n_past() + t0, n_out,
-                n_out ? logits + static_cast<size_t>(want_from - first_logit) * e_.c.n_vocab : nullptr);
+void StepDriver::forward(ThreadPool& pool, const BatchRows& batch, float* logits) {
+  Workspace& ws = *e_.ws;
+  const int T = batch.n_rows(), ub = ws.ub;
+  // The rows that want logits, in row order (= the order of `logits`).
+  std::vector<int> want;
+  for (const BatchPart& p : batch.parts)
+    for (int r = p.row0 + p.n - p.n_logits; r < p.row0 + p.n; ++r) want.push_back(r);
+  size_t w = 0;
+  std::vector<SeqRows> seqs;
+  for (int t0 = 0; t0 < T; t0 += ub) {
+    const int nt = std::min(ub, T - t0);
+    seqs.clear();
+    for (const BatchPart& p : batch.parts) {
+      const int lo = std::max(p.row0, t0), hi = std::min(p.row0 + p.n, t0 + nt);
+      if (lo < hi) seqs.push_back({static_cast<GpuState*>(p.state), lo - t0, hi - lo, p.pos0 + (lo - p.row0)});
+    }
+    std::vector<int> rows;  // this micro-batch's rows that want logits
+    const size_t w0 = w;
+    while (w < want.size() && want[w] < t0 + nt) rows.push_back(want[w++] - t0);
+    Step s{e_, ws, pool, seqs};
+    micro_batch(s, std::span<const int32_t>(batch.tokens).subspan(t0, nt), rows,
+                rows.empty() ? nullptr : logits + w0 * e_.c.n_vocab);
   }
 }
 
 // Inputs of a micro-batch: positions, the epoch, and the embedding rows (the program's). Host work
 // first, then capturable uploads.
-void StepDriver::prepare_inputs(Step& s, std::span<const int32_t> tokens, int pos0) {
+void StepDriver::prepare_inputs(Step& s, std::span<const int32_t> tokens) {
   Workspace& ws = s.ws;
-  const int nt = static_cast<int>(tokens.size());
   gpu::sync_stream(e_.stream);  // the pinned inputs may still be read by the previous micro-batch
-  for (int t = 0; t < nt; ++t) ws.h_pos[t] = pos0 + t;
+  for (const SeqRows& q : s.seqs)
+    for (int t = 0; t < q.n; ++t) ws.h_pos[q.row0 + t] = q.pos0 + t;
   *ws.h_epoch = ++ws.epoch;
   prog_.embed_host(s, tokens);
+}
+
+// Rows of the last layer's output that want logits but are not the micro-batch's last ones (several
+// sequences: each one's last row) are copied there, in order, through ws.y (free after the last layer).
+void StepDriver::gather_logit_rows(Step& s, int nt, int n_out, std::span<const int> want_rows) {
+  Workspace& ws = s.ws;
+  const size_t row = sizeof(float) * e_.c.n_embd;
+  for (int i = 0; i < n_out; ++i)
+    gpu::copy_d2d(reinterpret_cast<char*>(ws.y) + i * row, reinterpret_cast<const char*>(ws.x) + want_rows[i] * row, row,
+                  e_.stream);
+  gpu::copy_d2d(reinterpret_cast<char*>(ws.x) + (nt - n_out) * row, ws.y, n_out * row, e_.stream);
 }
 
 void StepDriver::upload_inputs(Step& s, int nt) {
@@ -114,11 +137,12 @@ void StepDriver::upload_inputs(Step& s, int nt) {
   prog_.inputs(s, nt);
 }
 
-void StepDriver::decode_step_graphs(Step& s, int32_t token, int pos0, float* logits) {
+void StepDriver::decode_step_graphs(Step& s, int32_t token, float* logits) {
   Workspace& ws = s.ws;
-  DecodeGraphs& dg = s.st.graphs;
+  DecodeGraphs& dg = s.seqs[0].st->graphs;
   const int L = e_.c.n_layer;
-  prepare_inputs(s, std::span<const int32_t>(&token, 1), pos0);
+  const int pos0 = s.seqs[0].pos0;
+  prepare_inputs(s, std::span<const int32_t>(&token, 1));
   // The attention kernel a graph holds depends on the cache length: capture again when it changes.
   const int variant = gpu::attention_decode_variant(pos0 + 1);
   if (variant != dg.variant) {
@@ -130,7 +154,7 @@ void StepDriver::decode_step_graphs(Step& s, int32_t token, int pos0, float* log
   seg.begin();
   if (seg.recording()) {
     upload_inputs(s, 1);
-    prog_.front(s, 0, 1, pos0);
+    prog_.front(s, 0, 1);
   }
   // A hybrid layer ends a graph; the CPU runs its experts only once the next graph (which waits for
   // them, then goes on to the next hybrid layer's routing) is queued, so the GPU never waits for a
@@ -146,7 +170,7 @@ void StepDriver::decode_step_graphs(Step& s, int32_t token, int pos0, float* log
     if (!seg.recording()) continue;
     prog_.back(s, l, 1, moe_.hybrid(l));
     if (l + 1 < L) {
-      prog_.front(s, l + 1, 1, pos0);
+      prog_.front(s, l + 1, 1);
     } else if (logits) {
       prog_.head(s, 1, 1, 0);
     }
@@ -164,13 +188,17 @@ void StepDriver::decode_step_graphs(Step& s, int32_t token, int pos0, float* log
   }
 }
 
-void StepDriver::micro_batch(Step& s, std::span<const int32_t> tokens, int pos0, int n_out, float* logits) {
+void StepDriver::micro_batch(Step& s, std::span<const int32_t> tokens, std::span<const int> want_rows, float* logits) {
   Workspace& ws = s.ws;
   const int nt = static_cast<int>(tokens.size());
+  const int n_out = static_cast<int>(want_rows.size());
+  bool tail = true;  // the rows that want logits are the last n_out (the head reads those)
+  for (int i = 0; i < n_out; ++i) tail = tail && want_rows[i] == nt - n_out + i;
   const int L = e_.c.n_layer;
-  // Graphs are captured with the output head, so only steps that want logits replay them.
-  if (nt == 1 && n_out == 1 && graphs_ok_) return decode_step_graphs(s, tokens[0], pos0, logits);
-  prepare_inputs(s, tokens, pos0);
+  // Graphs are captured with the output head, so only steps that want logits replay them; they belong
+  // to one sequence's state (its KV cache's addresses).
+  if (nt == 1 && n_out == 1 && graphs_ok_) return decode_step_graphs(s, tokens[0], logits);
+  prepare_inputs(s, tokens);
   e_.prof.begin(e_.stream, nt);
   upload_inputs(s, nt);
   e_.prof.mark("inputs + first norm", e_.stream);
@@ -181,7 +209,7 @@ void StepDriver::micro_batch(Step& s, std::span<const int32_t> tokens, int pos0,
   const FlagGuard guard(ws, L);
   int host_layer = -1;
   for (int l = 0; l < L; ++l) {
-    prog_.front(s, l, nt, pos0);
+    prog_.front(s, l, nt);
     // (Prefill's MoE layers run their host experts inside front: no host point.)
     const bool host_point = nt <= gpu::kMaxVecTokens && moe_.hybrid(l);
     if (host_point) {
@@ -194,6 +222,7 @@ void StepDriver::micro_batch(Step& s, std::span<const int32_t> tokens, int pos0,
     prog_.back(s, l, nt, host_point);
   }
   if (host_layer >= 0) moe_.host_part(s, host_layer, nt);
+  if (!tail) gather_logit_rows(s, nt, n_out, want_rows);
   for (int r0 = 0; r0 < n_out; r0 += 64) {
     prog_.head(s, nt, n_out, r0);
     gpu::sync_stream(e_.stream);

@@ -4,6 +4,7 @@
 // between two host points are captured into CUDA graphs and replayed.
 #pragma once
 #include <span>
+#include <vector>
 
 #include "cuda/moe_decode.h"
 #include "cuda/moe_prefill.h"
@@ -25,7 +26,8 @@ class LayerProgram {
   virtual void inputs(Step& s, int nt) = 0;
   // Layer l up to the routing and the GPU's own experts (decode-sized micro-batches) or the whole MoE
   // block (prefill): attention block, FFN norm, the MoE executor's gpu_part (or the streamer's run).
-  virtual void front(Step& s, int l, int nt, int pos0) = 0;
+  // The positions, and which rows are whose, are s.seqs.
+  virtual void front(Step& s, int l, int nt) = 0;
   // Layer l after the hand-over (host_rows: the CPU's experts' rows come from pinned memory): the
   // combination into the residual and the next layer's input norm.
   virtual void back(Step& s, int l, int nt, bool host_rows) = 0;
@@ -54,12 +56,16 @@ class StepDriver {
              bool host_products)
       : e_(e), prog_(prog), moe_(moe), streamer_(streamer), graphs_ok_(graphs_ok), host_products_(host_products) {}
 
-  void forward(GpuState& st, ThreadPool& pool, std::span<const int32_t> tokens, int n_logits, float* logits);
+  // A batch of one or more sequences (every state a GpuState of this engine), cut into micro-batches of
+  // at most the workspace's rows; logits as Model::forward_batch.
+  void forward(ThreadPool& pool, const BatchRows& batch, float* logits);
 
  private:
-  void micro_batch(Step& s, std::span<const int32_t> tokens, int pos0, int n_out, float* logits);
-  void decode_step_graphs(Step& s, int32_t token, int pos0, float* logits);
-  void prepare_inputs(Step& s, std::span<const int32_t> tokens, int pos0);
+  // want_rows: the micro-batch's rows that want logits, in order (logits gets them in that order).
+  void micro_batch(Step& s, std::span<const int32_t> tokens, std::span<const int> want_rows, float* logits);
+  void decode_step_graphs(Step& s, int32_t token, float* logits);
+  void prepare_inputs(Step& s, std::span<const int32_t> tokens);
+  void gather_logit_rows(Step& s, int nt, int n_out, std::span<const int> want_rows);
   void upload_inputs(Step& s, int nt);
 
   Engine& e_;

@@ -102,13 +102,30 @@ void DecodeGraphs::clear() {
   graphs.clear();
 }
 
-GpuState::GpuState(Engine& e, const StateOptions& opt, const WorkspaceShape& shape, const std::vector<LayerSpec>* specs)
-    : kv(e.mem, e.c, opt.n_ctx, opt.kv, specs), ws(&e.mem) {
+GpuState::GpuState(Engine& e, const StateOptions& opt, const std::vector<LayerSpec>* specs)
+    : kv(e.mem, e.c, opt.n_ctx, opt.kv, specs) {
   n_ctx_ = opt.n_ctx;
+}
+
+Workspace& Engine::workspace(const WorkspaceShape& shape, const StateOptions& opt, bool* fresh) {
+  *fresh = !ws;
+  if (ws) {
+    if (opt.n_ctx > ws_n_ctx)
+      throw Error("a sequence of " + std::to_string(opt.n_ctx) + " positions does not fit the engine's workspace (" +
+                  std::to_string(ws_n_ctx) + "): plan the larger context");
+    if (opt.kv.flash_on() != ws_flash)
+      throw Error("every sequence of one engine needs the same kind of KV cache (flash attention " +
+                  std::string(ws_flash ? "on" : "off") + ")");
+    return *ws;
+  }
   WorkspaceShape s = shape;
-  s.n_ctx = opt.n_ctx;
+  s.n_ctx = std::max(opt.n_ctx, plan.options.n_ctx);
   s.flash_kv = opt.kv.flash_on();
-  ws.allocate(e, s);
+  ws = std::make_unique<Workspace>(&mem);
+  ws->allocate(*this, s);
+  ws_n_ctx = s.n_ctx;
+  ws_flash = s.flash_kv;
+  return *ws;
 }
 
 // Every device buffer, in the order allocate() has always taken them (the accountant's figures and the

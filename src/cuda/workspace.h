@@ -1,10 +1,10 @@
-// The GPU forward passes' memory per state:
-// - KvCache: the per-sequence part (one f16 or f32 K and V per layer);
+// The GPU forward passes' memory:
+// - KvCache: the per-sequence part (a K and V per attention layer, of the cache's types);
 // - Workspace: every scratch buffer, sized for one micro-batch, and the pinned buffers and flags through
-//   which the GPU and the CPU hand work to each other (in a resource-per-engine design this would be
-//   the engine's; it is per state today because the decode graphs bake its addresses, together with
-//   the KV cache's, and the hand-over flags carry a per-state epoch);
-// - GpuState: the ModelState of a GPU run, holding the three (and the decode graphs captured over them).
+//   which the GPU and the CPU hand work to each other: one per engine (Engine::workspace), shared by
+//   every sequence, whose rows a micro-batch may mix; its epoch counts the engine's micro-batches;
+// - GpuState: the ModelState of a GPU run, holding the KV cache and the decode graphs captured over it
+//   and the engine's workspace (both addresses stay fixed, so a sequence's graphs stay valid).
 #pragma once
 #include <cstdint>
 #include <utility>
@@ -164,16 +164,15 @@ struct DecodeGraphs {
   int variant = -1;  // gpu::attention_decode_variant the graphs were captured with
 };
 
-// Per-sequence GPU state: the KV cache and (see above) the workspace and the decode graphs. An
-// architecture with more per-sequence state (qwen35's recurrent state and checkpoints) derives from it.
+// Per-sequence GPU state: the KV cache and the decode graphs. An architecture with more per-sequence
+// state (qwen35's recurrent state and checkpoints, gemma4's rings) derives from it.
 class GpuState : public ModelState {
  public:
   // specs: as for KvCache (null: every layer of e.c has a KV cache).
-  GpuState(Engine& e, const StateOptions& opt, const WorkspaceShape& shape, const std::vector<LayerSpec>* specs = nullptr);
+  GpuState(Engine& e, const StateOptions& opt, const std::vector<LayerSpec>* specs = nullptr);
   size_t bytes() const override { return kv.bytes(); }
 
   KvCache kv;
-  Workspace ws;
   DecodeGraphs graphs;
 };
 

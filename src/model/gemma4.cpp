@@ -153,23 +153,32 @@ class Gemma4Model final : public Model {
   }
 
  protected:
-  void forward_impl(ModelState& st, ThreadPool& pool, std::span<const int32_t> tokens, int n_logits,
-                    float* logits) const override {
-    if (gpu_) return gpu_->forward(st, pool, tokens, n_logits, logits);
-    auto* Sp = dynamic_cast<Gemma4State*>(&st);
-    if (!Sp) throw Error("forward: the state is not a gemma4 state");
-    // Pieces of at most kSlidingMicroBatch tokens: a sliding layer's ring holds its window plus that
-    // many. Each piece is the same computation per token as one batch (products and attention are per
-    // row), so only the logits' rows are gathered.
-    const int T = static_cast<int>(tokens.size());
-    for (int t0 = 0; t0 < T; t0 += kSlidingMicroBatch) {
-      const int n = std::min(kSlidingMicroBatch, T - t0);
-      // The requested rows are the last n_logits of the batch; those of this piece:
-      const int first_row = T - n_logits;  // batch index of the first requested row
-      const int lo = std::max(t0, first_row), hi = t0 + n;
-      const int nl = std::max(0, hi - lo);
-      forward_piece(*Sp, pool, tokens.subspan(t0, n), st.n_past() + t0, nl,
-                    nl ? logits + static_cast<int64_t>(lo - first_row) * cfg_.n_vocab : nullptr);
+  void forward_impl(ThreadPool& pool, const BatchRows& batch, float* logits) const override {
+    if (gpu_) return gpu_->forward(pool, batch, logits);
+    for (const BatchPart& p : batch.parts)
+      if (!dynamic_cast<Gemma4State*>(p.state)) throw Error("forward: the state is not a gemma4 state");
+    // Pieces of at most kSlidingMicroBatch tokens of each sequence: a sliding layer's ring holds its
+    // window plus that many. Each piece is the same computation per token as one batch (products and
+    // attention are per row), so only the logits' rows are gathered: piece r takes tokens
+    // [r * kSlidingMicroBatch, ..) of every sequence that has them.
+    int longest = 0;
+    for (const BatchPart& p : batch.parts) longest = std::max(longest, p.n);
+    std::vector<int> logit_base;  // where each part's logit rows start in `logits`
+    for (int i = 0, r = 0; i < static_cast<int>(batch.parts.size()); r += batch.parts[i++].n_logits) logit_base.push_back(r);
+    for (int t0 = 0; t0 < longest; t0 += kSlidingMicroBatch) {
+      BatchRows piece;
+      std::vector<float*> dst;
+      for (size_t i = 0; i < batch.parts.size(); ++i) {
+        const BatchPart& p = batch.parts[i];
+        if (t0 >= p.n) continue;
+        const int n = std::min(kSlidingMicroBatch, p.n - t0);
+        const int first_row = p.n - p.n_logits;  // the part's first row that wants logits
+        const int lo = std::max(t0, first_row), nl = std::max(0, t0 + n - lo);
+        piece.parts.push_back({p.state, piece.n_rows(), n, p.pos0 + t0, nl});
+        piece.tokens.insert(piece.tokens.end(), batch.tokens.begin() + p.row0 + t0, batch.tokens.begin() + p.row0 + t0 + n);
+        dst.push_back(nl ? logits + static_cast<int64_t>(logit_base[i] + lo - first_row) * cfg_.n_vocab : nullptr);
+      }
+      forward_piece(pool, piece, dst);
     }
   }
 
@@ -185,27 +194,27 @@ class Gemma4Model final : public Model {
   }
 
  private:
-  void forward_piece(Gemma4State& S, ThreadPool& pool, std::span<const int32_t> tokens, int pos0, int n_logits,
-                     float* logits) const {
+  // One piece (every part at most kSlidingMicroBatch tokens); part i's logit rows go to dst[i].
+  void forward_piece(ThreadPool& pool, const BatchRows& b, std::span<float* const> dst) const {
     const ModelConfig& c = cfg_;
-    const int T = static_cast<int>(tokens.size());
+    const int T = b.n_rows();
     const int E = c.n_embd;
     const int64_t n = static_cast<int64_t>(T) * E;
-    auto& scratch = S.scratch;
+    auto& scratch = static_cast<Gemma4State&>(*b.parts[0].state).scratch;
     float* x = scratch.floats(0, static_cast<size_t>(n));   // residual stream
     float* xn = scratch.floats(1, static_cast<size_t>(n));  // normed input of a block
     float* y = scratch.floats(2, static_cast<size_t>(n));   // block output
 
-    cpu::embed(pool, w_.tok_embd, tokens, x);
+    cpu::embed(pool, w_.tok_embd, b.tokens, x);
     const float emb_scale = std::sqrt(static_cast<float>(E));
     for (int64_t i = 0; i < n; ++i) x[i] *= emb_scale;
     for (int l = 0; l < c.n_layer; ++l) {
       const Gemma4Layer& L = w_.layers[l];
       cpu::rms_norm(x, L.attn_norm.f32(), xn, E, T, c.rms_eps, E, E);
-      attention_block(S, pool, L, S.view(l), xn, T, pos0, y);
+      attention_block(scratch, pool, L, l, xn, b, y);
       cpu::rms_norm(y, L.post_attn_norm.f32(), y, E, T, c.rms_eps, E, E);
       for (int64_t i = 0; i < n; ++i) x[i] += y[i];
-      ffn_block(S, pool, L, x, xn, T, y);
+      ffn_block(scratch, pool, L, x, xn, T, y);
       cpu::rms_norm(y, L.post_ffw_norm.f32(), y, E, T, c.rms_eps, E, E);
       for (int64_t i = 0; i < n; ++i) x[i] += y[i];
       if (L.out_scale) {
@@ -213,18 +222,30 @@ class Gemma4Model final : public Model {
         for (int64_t i = 0; i < n; ++i) x[i] *= s;
       }
     }
+    const int n_logits = b.n_logits();
     if (n_logits == 0) return;
-    float* hn = xn;
-    cpu::rms_norm(x + static_cast<int64_t>(T - n_logits) * E, w_.output_norm.f32(), hn, E, n_logits, c.rms_eps, E, E);
-    cpu::matmul(pool, w_.output, hn, E, n_logits, logits, c.n_vocab, scratch, 49);
-    if (c.final_logit_softcap > 0)
-      cpu::softcap(logits, static_cast<int64_t>(n_logits) * c.n_vocab, c.final_logit_softcap);
+    norm_logit_rows(b, x, xn, E, c.rms_eps, w_.output_norm.f32());
+    // Straight into the caller's rows when they follow each other (one piece), else through scratch.
+    bool contiguous = true;
+    float* first = nullptr;
+    for (size_t i = 0, r = 0; i < b.parts.size(); r += b.parts[i++].n_logits)
+      if (b.parts[i].n_logits) {
+        if (!first) first = dst[i] - r * c.n_vocab;
+        contiguous = contiguous && dst[i] == first + r * c.n_vocab;
+      }
+    float* out = contiguous ? first : scratch.floats(10, static_cast<size_t>(n_logits) * c.n_vocab);
+    cpu::matmul(pool, w_.output, xn, E, n_logits, out, c.n_vocab, scratch, 49);
+    if (c.final_logit_softcap > 0) cpu::softcap(out, static_cast<int64_t>(n_logits) * c.n_vocab, c.final_logit_softcap);
+    if (contiguous) return;
+    for (size_t i = 0, r = 0; i < b.parts.size(); r += b.parts[i++].n_logits)
+      if (b.parts[i].n_logits)
+        std::memcpy(dst[i], out + r * c.n_vocab, sizeof(float) * b.parts[i].n_logits * c.n_vocab);
   }
 
-  void attention_block(Gemma4State& S, ThreadPool& pool, const Gemma4Layer& L, const cpu::KvView& kv,
-                       const float* xn, int T, int pos0, float* y) const {
+  void attention_block(cpu::Scratch& scratch, ThreadPool& pool, const Gemma4Layer& L, int l, const float* xn,
+                       const BatchRows& b, float* y) const {
     const AttnSpec& a = L.spec.attn();
-    auto& scratch = S.scratch;
+    const int T = b.n_rows();
     const int E = cfg_.n_embd, hd = a.head_dim;
     const int qw = a.n_head * hd, kw = a.n_head_kv * hd;
     float* q = scratch.floats(3, static_cast<size_t>(T) * qw);
@@ -233,26 +254,34 @@ class Gemma4Model final : public Model {
     cpu::rms_norm(q, L.q_norm.f32(), q, hd, T * a.n_head, cfg_.rms_eps, hd, hd);
     const RopeParams rope = make_rope_params(a.n_rot, a.rope_base, 1.0f, 0.0f, 1.0f, 32.0f, 1.0f, cfg_.n_ctx_train);
     const float* ff = a.rope_freqs && w_.rope_freqs ? w_.rope_freqs.f32() : nullptr;
-    cpu::rope_neox(q, T, a.n_head, hd, qw, a.n_rot, pos0, rope, ff);
+    float* k = nullptr;
+    float* v = nullptr;
     if (a.kv_from < 0) {
-      float* k = scratch.floats(6, static_cast<size_t>(T) * kw);
-      float* v = scratch.floats(7, static_cast<size_t>(T) * kw);
+      k = scratch.floats(6, static_cast<size_t>(T) * kw);
+      v = scratch.floats(7, static_cast<size_t>(T) * kw);
       cpu::matmul(pool, L.wk, xn, E, T, k, kw, scratch, 41);
       if (L.wv) cpu::matmul(pool, L.wv, xn, E, T, v, kw, scratch, 42);
       else std::memcpy(v, k, sizeof(float) * static_cast<size_t>(T) * kw);  // K = V: the raw projection
       cpu::rms_norm(k, L.k_norm.f32(), k, hd, T * a.n_head_kv, cfg_.rms_eps, hd, hd);
       cpu::rms_norm(v, nullptr, v, hd, T * a.n_head_kv, cfg_.rms_eps, hd, hd);
-      cpu::rope_neox(k, T, a.n_head_kv, hd, kw, a.n_rot, pos0, rope, ff);
-      cpu::kv_store(kv, pos0, T, k, kw, v, kw, kw, kw);
     }
-    cpu::attention(pool, q, qw, kv, pos0, T, a.n_head, a.n_head_kv, hd, hd, a.scale, att, qw, scratch, 46, a.window);
+    for (const BatchPart& p : b.parts) {
+      const int64_t r = p.row0;
+      const cpu::KvView kv = static_cast<Gemma4State&>(*p.state).view(l);
+      cpu::rope_neox(q + r * qw, p.n, a.n_head, hd, qw, a.n_rot, p.pos0, rope, ff);
+      if (a.kv_from < 0) {
+        cpu::rope_neox(k + r * kw, p.n, a.n_head_kv, hd, kw, a.n_rot, p.pos0, rope, ff);
+        cpu::kv_store(kv, p.pos0, p.n, k + r * kw, kw, v + r * kw, kw, kw, kw);
+      }
+      cpu::attention(pool, q + r * qw, qw, kv, p.pos0, p.n, a.n_head, a.n_head_kv, hd, hd, a.scale, att + r * qw, qw,
+                     scratch, 46, a.window);
+    }
     cpu::matmul(pool, L.wo, att, qw, T, y, E, scratch, 47);
   }
 
   // The FFN of a layer from the residual stream x (after attention) into y, before post_ffw_norm.
-  void ffn_block(Gemma4State& S, ThreadPool& pool, const Gemma4Layer& L, const float* x, float* xn, int T,
+  void ffn_block(cpu::Scratch& scratch, ThreadPool& pool, const Gemma4Layer& L, const float* x, float* xn, int T,
                  float* y) const {
-    auto& scratch = S.scratch;
     const ModelConfig& c = cfg_;
     const int E = c.n_embd;
     const int64_t n = static_cast<int64_t>(T) * E;

@@ -12,8 +12,8 @@ class GpuRunner {
  public:
   virtual ~GpuRunner() = default;
   virtual std::unique_ptr<ModelState> new_state(const StateOptions& opt) = 0;
-  virtual void forward(ModelState& state, ThreadPool& pool, std::span<const int32_t> tokens, int n_logits,
-                       float* logits) = 0;
+  // Model::forward_impl's contract (a batch of one or more sequences' rows).
+  virtual void forward(ThreadPool& pool, const BatchRows& batch, float* logits) = 0;
   virtual std::string memory_report() const = 0;
   virtual RoutingGuessStats routing_guess_stats() const { return {}; }
 };

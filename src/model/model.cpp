@@ -1,4 +1,5 @@
 #include "model/model.h"
+#include "runtime/cpu_ops.h"
 
 #include <algorithm>
 #include <functional>
@@ -118,20 +119,56 @@ std::unique_ptr<Model> Model::load(const std::string& path, const LoadOptions& o
   return model;
 }
 
+BatchRows::BatchRows(std::span<const BatchSeq> seqs) {
+  for (const BatchSeq& q : seqs) {
+    if (q.tokens.empty()) continue;
+    parts.push_back({q.state, n_rows(), static_cast<int>(q.tokens.size()), q.state->n_past(), q.n_logits});
+    tokens.insert(tokens.end(), q.tokens.begin(), q.tokens.end());
+  }
+}
+
+int BatchRows::n_logits() const {
+  int n = 0;
+  for (const BatchPart& p : parts) n += p.n_logits;
+  return n;
+}
+
+void norm_logit_rows(const BatchRows& batch, const float* x, float* out, int n, float eps, const float* w) {
+  int r = 0;
+  for (const BatchPart& p : batch.parts) {
+    if (!p.n_logits) continue;
+    cpu::rms_norm(x + static_cast<int64_t>(p.row0 + p.n - p.n_logits) * n, w, out + static_cast<int64_t>(r) * n, n,
+                  p.n_logits, eps, n, n);
+    r += p.n_logits;
+  }
+}
+
 void Model::forward(ModelState& state, ThreadPool& pool, std::span<const int32_t> tokens, int n_logits,
                     float* logits) const {
-  if (tokens.empty()) return;
-  const int n = static_cast<int>(tokens.size());
-  if (state.n_past() + n > state.n_ctx())
-    throw Error("context is full: " + std::to_string(state.n_past()) + " + " + std::to_string(n) +
-                " tokens exceed the context of " + std::to_string(state.n_ctx()));
-  if (n_logits < 0 || n_logits > n) throw Error("forward: n_logits out of range");
-  for (int32_t t : tokens)
-    if (t < 0 || t >= cfg_.n_vocab)
-      throw Error("token id " + std::to_string(t) + " is outside the vocabulary (0.." +
-                  std::to_string(cfg_.n_vocab - 1) + ")");
-  forward_impl(state, pool, tokens, n_logits, logits);
-  state.advance(n);
+  const BatchSeq one{&state, tokens, n_logits};
+  forward_batch(pool, std::span<const BatchSeq>(&one, 1), logits);
+}
+
+void Model::forward_batch(ThreadPool& pool, std::span<const BatchSeq> seqs, float* logits) const {
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const BatchSeq& q = seqs[i];
+    if (!q.state) throw Error("forward: a sequence of the batch has no state");
+    for (size_t j = 0; j < i; ++j)
+      if (seqs[j].state == q.state) throw Error("forward: a state appears twice in one batch");
+    const int n = static_cast<int>(q.tokens.size());
+    if (q.state->n_past() + n > q.state->n_ctx())
+      throw Error("context is full: " + std::to_string(q.state->n_past()) + " + " + std::to_string(n) +
+                  " tokens exceed the context of " + std::to_string(q.state->n_ctx()));
+    if (q.n_logits < 0 || q.n_logits > n) throw Error("forward: n_logits out of range");
+    for (int32_t t : q.tokens)
+      if (t < 0 || t >= cfg_.n_vocab)
+        throw Error("token id " + std::to_string(t) + " is outside the vocabulary (0.." +
+                    std::to_string(cfg_.n_vocab - 1) + ")");
+  }
+  const BatchRows batch(seqs);
+  if (batch.parts.empty()) return;
+  forward_impl(pool, batch, logits);
+  for (const BatchPart& p : batch.parts) p.state->advance(p.n);
 }
 
 Weight Model::tensor(const std::string& name, std::vector<int64_t> ne, bool optional) const {

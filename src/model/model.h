@@ -108,6 +108,34 @@ struct RoutingGuessStats {
   double prefetched_bytes = 0;
 };
 
+// One sequence's part of a batch: its tokens, at positions state->n_past() .., and how many of its last
+// positions want logits. Several sequences share a batch (continuous batching in the server); each
+// state appears at most once.
+struct BatchSeq {
+  ModelState* state = nullptr;
+  std::span<const int32_t> tokens;
+  int n_logits = 0;
+};
+
+// A batch as the forward passes see it: the sequences' tokens concatenated, each sequence a range of
+// rows with its first position. Products run over every row at once; what reads or writes a
+// sequence's own state (RoPE positions, the KV store, attention, recurrent state) runs per part.
+struct BatchPart {
+  ModelState* state;
+  int row0, n, pos0, n_logits;
+};
+struct BatchRows {
+  BatchRows() = default;
+  explicit BatchRows(std::span<const BatchSeq> seqs);
+  std::vector<int32_t> tokens;
+  std::vector<BatchPart> parts;
+  int n_rows() const { return static_cast<int>(tokens.size()); }
+  int n_logits() const;  // the rows that want logits, in part order
+};
+// The CPU forward passes' last step before the output head: the rows that want logits (each part's
+// last n_logits) of the residual x ([rows][n]) RMS-normed with w, packed in part order into out.
+void norm_logit_rows(const BatchRows& batch, const float* x, float* out, int n, float eps, const float* w);
+
 class Model {
  public:
   virtual ~Model();
@@ -131,6 +159,9 @@ class Model {
   // row-major [n_logits][n_vocab]; logits may be null when n_logits is 0.
   void forward(ModelState& state, ThreadPool& pool, std::span<const int32_t> tokens, int n_logits,
                float* logits) const;
+  // One batch of several sequences (see BatchSeq), each state advanced by its tokens; the logits of
+  // every sequence's last n_logits positions, in sequence order: [sum of n_logits][n_vocab].
+  void forward_batch(ThreadPool& pool, std::span<const BatchSeq> seqs, float* logits) const;
 
   // Calls f on every weight the forward pass reads.
   virtual void visit_weights(const std::function<void(const Weight&)>& f) const = 0;
@@ -140,8 +171,9 @@ class Model {
   virtual double bytes_per_token() const = 0;
 
  protected:
-  virtual void forward_impl(ModelState& state, ThreadPool& pool, std::span<const int32_t> tokens,
-                            int n_logits, float* logits) const = 0;
+  // The batch's rows in order; logits [batch.n_logits()][n_vocab]. Every part is validated (room in its
+  // context, token ids, n_logits <= n) and the states are distinct.
+  virtual void forward_impl(ThreadPool& pool, const BatchRows& batch, float* logits) const = 0;
   // Looks up a tensor and checks its type is computable and its shape is exactly `ne` (1s may be
   // omitted). Throws Error naming the tensor when it is missing (unless optional) or misshapen.
   Weight tensor(const std::string& name, std::vector<int64_t> ne, bool optional = false) const;

@@ -125,14 +125,15 @@ class Qwen3Model final : public Model {
   }
 
  protected:
-  void forward_impl(ModelState& st, ThreadPool& pool, std::span<const int32_t> tokens, int n_logits,
-                    float* logits) const override {
-    if (gpu_) return gpu_->forward(st, pool, tokens, n_logits, logits);
-    auto& S = static_cast<Qwen3State&>(st);
-    auto& scratch = S.scratch;
+  void forward_impl(ThreadPool& pool, const BatchRows& batch, float* logits) const override {
+    if (gpu_) return gpu_->forward(pool, batch, logits);
+    // The products run over every row of the batch; RoPE, the KV store and attention per sequence.
+    for (const BatchPart& p : batch.parts)
+      if (!dynamic_cast<Qwen3State*>(p.state)) throw Error("forward: the state is not a " + cfg_.arch + " state");
+    auto& scratch = static_cast<Qwen3State&>(*batch.parts[0].state).scratch;
     const ModelConfig& c = cfg_;
-    const int T = static_cast<int>(tokens.size());
-    const int pos0 = st.n_past();
+    const std::span<const int32_t> tokens(batch.tokens);
+    const int T = batch.n_rows();
     const int E = c.n_embd, hd = c.head_dim, hdv = c.head_dim_v;
     const int q_w = c.n_head * hd, k_w = c.n_head_kv * hd, v_w = c.n_head_kv * hdv;
 
@@ -169,12 +170,17 @@ class Qwen3Model final : public Model {
       }
       cpu::rms_norm(q, L.q_norm.f32(), q, hd, T * c.n_head, c.rms_eps, hd, hd);
       cpu::rms_norm(k, L.k_norm.f32(), k, hd, T * c.n_head_kv, c.rms_eps, hd, hd);
-      cpu::rope_neox(q, T, c.n_head, hd, q_w, c.n_rot, pos0, rope);
-      cpu::rope_neox(k, T, c.n_head_kv, hd, k_w, c.n_rot, pos0, rope);
-      cpu::KvView kv = S.view(l);
-      cpu::kv_store(kv, pos0, T, k, k_w, v, v_w, k_w, v_w);
-      cpu::attention(pool, q, q_w, kv, pos0, T, c.n_head, c.n_head_kv, hd, hdv,
-                     1.0f / std::sqrt(static_cast<float>(hd)), att, c.n_head * hdv, scratch, 32);
+      for (const BatchPart& p : batch.parts) {
+        float *qp = q + static_cast<int64_t>(p.row0) * q_w, *kp = k + static_cast<int64_t>(p.row0) * k_w,
+              *vp = v + static_cast<int64_t>(p.row0) * v_w;
+        cpu::rope_neox(qp, p.n, c.n_head, hd, q_w, c.n_rot, p.pos0, rope);
+        cpu::rope_neox(kp, p.n, c.n_head_kv, hd, k_w, c.n_rot, p.pos0, rope);
+        cpu::KvView kv = static_cast<Qwen3State&>(*p.state).view(l);
+        cpu::kv_store(kv, p.pos0, p.n, kp, k_w, vp, v_w, k_w, v_w);
+        cpu::attention(pool, qp, q_w, kv, p.pos0, p.n, c.n_head, c.n_head_kv, hd, hdv,
+                       1.0f / std::sqrt(static_cast<float>(hd)), att + static_cast<int64_t>(p.row0) * c.n_head * hdv,
+                       c.n_head * hdv, scratch, 32);
+      }
       cpu::matmul(pool, L.wo, att, c.n_head * hdv, T, y, E, scratch, 33);
       for (int64_t i = 0; i < static_cast<int64_t>(T) * E; ++i) x[i] += y[i];
 
@@ -191,10 +197,8 @@ class Qwen3Model final : public Model {
       }
       for (int64_t i = 0; i < static_cast<int64_t>(T) * E; ++i) x[i] += y[i];
     }
-    if (n_logits == 0) return;
-    const float* last = x + static_cast<int64_t>(T - n_logits) * E;
-    cpu::rms_norm(last, w_.output_norm.f32(), xn, E, n_logits, c.rms_eps, E, E);
-    cpu::matmul(pool, w_.output, xn, E, n_logits, logits, c.n_vocab, scratch, 35);
+    norm_logit_rows(batch, x, xn, E, c.rms_eps, w_.output_norm.f32());
+    if (const int n = batch.n_logits()) cpu::matmul(pool, w_.output, xn, E, n, logits, c.n_vocab, scratch, 35);
   }
 
  protected:

@@ -248,7 +248,8 @@ class Qwen35Model final : public Model {
     cpu::rms_norm(e, L.enorm.f32(), cat, E, T, cfg_.rms_eps, E, 2 * E);
     cpu::rms_norm(h, L.hnorm.f32(), cat + E, E, T, cfg_.rms_eps, E, 2 * E);
     cpu::matmul(pool, L.eh_proj, cat, 2 * E, T, x, E, scratch, 41);
-    run_layer(S, pool, L, 0, x, xn, y, T, pos0);
+    const BatchSeq one{&S, tokens, 0};
+    run_layer(scratch, pool, L, 0, x, xn, y, BatchRows(std::span<const BatchSeq>(&one, 1)));
     // The head: its own norm (else output_norm) and its own matrix (else the trunk's output head).
     float* hn = h_out ? h_out : xn;
     cpu::rms_norm(x, (L.head_norm ? L.head_norm : w_.output_norm).f32(), hn, E, T, cfg_.rms_eps, E, E);
@@ -257,33 +258,35 @@ class Qwen35Model final : public Model {
   }
 
  protected:
-  void forward_impl(ModelState& st, ThreadPool& pool, std::span<const int32_t> tokens, int n_logits,
-                    float* logits) const override {
-    if (gpu_) return gpu_->forward(st, pool, tokens, n_logits, logits);
-    auto* Sp = dynamic_cast<Qwen35State*>(&st);
-    if (!Sp || Sp->mtp) throw Error("forward: the state is not a " + cfg_.arch + " trunk state");
-    Qwen35State& S = *Sp;
+  void forward_impl(ThreadPool& pool, const BatchRows& batch, float* logits) const override {
+    if (gpu_) return gpu_->forward(pool, batch, logits);
+    for (const BatchPart& p : batch.parts) {
+      auto* Sp = dynamic_cast<Qwen35State*>(p.state);
+      if (!Sp || Sp->mtp) throw Error("forward: the state is not a " + cfg_.arch + " trunk state");
+      if (Sp->hidden_out && batch.parts.size() > 1) throw Error("forward: hidden rows are for a batch of one sequence");
+    }
+    Qwen35State& S0 = static_cast<Qwen35State&>(*batch.parts[0].state);
     const ModelConfig& c = cfg_;
-    const int T = static_cast<int>(tokens.size());
-    const int pos0 = st.n_past();
+    const int T = batch.n_rows();
     const int E = c.n_embd;
-    auto& scratch = S.scratch;
+    auto& scratch = S0.scratch;
     float* x = scratch.floats(0, static_cast<size_t>(T) * E);   // residual stream
     float* xn = scratch.floats(1, static_cast<size_t>(T) * E);  // normed input of a block
     float* y = scratch.floats(2, static_cast<size_t>(T) * E);   // block output before the residual add
 
-    cpu::embed(pool, w_.tok_embd, tokens, x);
-    for (int l = 0; l < c.n_layer_trunk(); ++l) run_layer(S, pool, w_.layers[l], l, x, xn, y, T, pos0);
+    cpu::embed(pool, w_.tok_embd, batch.tokens, x);
+    for (int l = 0; l < c.n_layer_trunk(); ++l) run_layer(scratch, pool, w_.layers[l], l, x, xn, y, batch);
 
-    float* hidden = S.hidden_out;
-    if (n_logits == 0 && !hidden) return;
-    // The hidden rows (all of them when asked, else the last n_logits) after output_norm, then the head.
-    const int n_norm = hidden ? T : n_logits;
-    float* hn = hidden ? hidden : xn;
-    cpu::rms_norm(x + static_cast<int64_t>(T - n_norm) * E, w_.output_norm.f32(), hn, E, n_norm, c.rms_eps, E, E);
-    if (n_logits)
-      cpu::matmul(pool, w_.output, hn + static_cast<int64_t>(n_norm - n_logits) * E, E, n_logits, logits, c.n_vocab,
-                  scratch, 49);
+    if (float* hidden = S0.hidden_out) {  // (MTP: every row's hidden state after output_norm, then the head)
+      const int n_logits = batch.parts[0].n_logits;
+      cpu::rms_norm(x, w_.output_norm.f32(), hidden, E, T, c.rms_eps, E, E);
+      if (n_logits)
+        cpu::matmul(pool, w_.output, hidden + static_cast<int64_t>(T - n_logits) * E, E, n_logits, logits, c.n_vocab,
+                    scratch, 49);
+      return;
+    }
+    norm_logit_rows(batch, x, xn, E, c.rms_eps, w_.output_norm.f32());
+    if (const int n = batch.n_logits()) cpu::matmul(pool, w_.output, xn, E, n, logits, c.n_vocab, scratch, 49);
   }
 
   bool has_gpu_forward() const override { return true; }
@@ -299,25 +302,27 @@ class Qwen35Model final : public Model {
 
  private:
   // One layer, in place on the residual stream x: mixer block, then FFN block. `sl` is the layer's
-  // index in the state (its KV cache or its recurrent state).
-  void run_layer(Qwen35State& S, ThreadPool& pool, const Qwen35Layer& L, int sl, float* x, float* xn, float* y, int T,
-                 int pos0) const {
-    const int E = cfg_.n_embd;
+  // index in the states (their KV caches or recurrent states).
+  void run_layer(cpu::Scratch& scratch, ThreadPool& pool, const Qwen35Layer& L, int sl, float* x, float* xn, float* y,
+                 const BatchRows& b) const {
+    const int E = cfg_.n_embd, T = b.n_rows();
     const int64_t n = static_cast<int64_t>(T) * E;
     cpu::rms_norm(x, L.attn_norm.f32(), xn, E, T, cfg_.rms_eps, E, E);
-    if (L.spec.is_attention()) attention_block(S, pool, L, S.view(sl), xn, T, pos0, y);
-    else delta_block(S, pool, L, S.conv(sl), S.delta(sl), xn, T, y);
+    if (L.spec.is_attention()) attention_block(scratch, pool, L, sl, xn, b, y);
+    else delta_block(scratch, pool, L, sl, xn, b, y);
     for (int64_t i = 0; i < n; ++i) x[i] += y[i];
     cpu::rms_norm(x, L.post_norm.f32(), xn, E, T, cfg_.rms_eps, E, E);
-    ffn_block(S, pool, L, xn, T, y);
+    ffn_block(scratch, pool, L, xn, T, y);
     for (int64_t i = 0; i < n; ++i) x[i] += y[i];
   }
 
+  static Qwen35State& state(const BatchPart& p) { return static_cast<Qwen35State&>(*p.state); }
+
   // Gated full attention.
-  void attention_block(Qwen35State& S, ThreadPool& pool, const Qwen35Layer& L, const cpu::KvView& kv, const float* xn,
-                       int T, int pos0, float* y) const {
+  void attention_block(cpu::Scratch& scratch, ThreadPool& pool, const Qwen35Layer& L, int sl, const float* xn,
+                       const BatchRows& b, float* y) const {
     const AttnSpec& a = L.spec.attn();
-    auto& scratch = S.scratch;
+    const int T = b.n_rows();
     const int E = cfg_.n_embd, hd = a.head_dim, hdv = a.head_dim_v;
     const int qw = a.n_head * hd, kw = a.n_head_kv * hd, vw = a.n_head_kv * hdv, ow = a.n_head * hdv;
     float* qg = scratch.floats(3, static_cast<size_t>(T) * 2 * qw);  // [q_h | gate_h] per head
@@ -334,19 +339,24 @@ class Qwen35Model final : public Model {
       std::memcpy(gate + static_cast<int64_t>(r) * hd, qg + static_cast<int64_t>(r) * 2 * hd + hd, sizeof(float) * hd);
     cpu::rms_norm(k, L.k_norm.f32(), k, hd, T * a.n_head_kv, cfg_.rms_eps, hd, hd);
     const RopeParams rope = rope_params(cfg_);
-    cpu::rope_multi(q, T, a.n_head, hd, qw, a.n_rot, a.rope_sections, pos0, rope);
-    cpu::rope_multi(k, T, a.n_head_kv, hd, kw, a.n_rot, a.rope_sections, pos0, rope);
-    cpu::kv_store(kv, pos0, T, k, kw, v, vw, kw, vw);
-    cpu::attention(pool, q, qw, kv, pos0, T, a.n_head, a.n_head_kv, hd, hdv, a.scale, att, ow, scratch, 46);
+    for (const BatchPart& p : b.parts) {
+      float *qp = q + static_cast<int64_t>(p.row0) * qw, *kp = k + static_cast<int64_t>(p.row0) * kw;
+      cpu::rope_multi(qp, p.n, a.n_head, hd, qw, a.n_rot, a.rope_sections, p.pos0, rope);
+      cpu::rope_multi(kp, p.n, a.n_head_kv, hd, kw, a.n_rot, a.rope_sections, p.pos0, rope);
+      const cpu::KvView kv = state(p).view(sl);
+      cpu::kv_store(kv, p.pos0, p.n, kp, kw, v + static_cast<int64_t>(p.row0) * vw, vw, kw, vw);
+      cpu::attention(pool, qp, qw, kv, p.pos0, p.n, a.n_head, a.n_head_kv, hd, hdv, a.scale,
+                     att + static_cast<int64_t>(p.row0) * ow, ow, scratch, 46);
+    }
     cpu::mul_sigmoid(att, gate, static_cast<int64_t>(T) * ow);
     cpu::matmul(pool, L.wo, att, ow, T, y, E, scratch, 47);
   }
 
   // Gated DeltaNet.
-  void delta_block(Qwen35State& S, ThreadPool& pool, const Qwen35Layer& L, float* conv_state, float* delta_state,
-                   const float* xn, int T, float* y) const {
+  void delta_block(cpu::Scratch& scratch, ThreadPool& pool, const Qwen35Layer& L, int sl, const float* xn,
+                   const BatchRows& b, float* y) const {
     const DeltaSpec& d = L.spec.delta();
-    auto& scratch = S.scratch;
+    const int T = b.n_rows();
     const int E = cfg_.n_embd, ch = d.conv_channels(), kd = d.key_dim(), vd = d.value_dim(), Hv = d.n_v_heads;
     float* qkv = scratch.floats(3, static_cast<size_t>(T) * ch);
     float* co = scratch.floats(4, static_cast<size_t>(T) * ch);
@@ -363,19 +373,26 @@ class Qwen35Model final : public Model {
         beta[i] = cpu::sigmoid(beta[i]);
         g[i] = cpu::softplus(g[i] + dt[h]) * A[h];  // ssm_a is -exp(A_log): g <= 0, a decay
       }
-    cpu::conv1d_silu(pool, qkv, ch, T, ch, L.conv1d.f32(), d.conv_kernel, conv_state, co, ch);
+    for (const BatchPart& p : b.parts) {
+      const int64_t r = p.row0;
+      cpu::conv1d_silu(pool, qkv + r * ch, ch, p.n, ch, L.conv1d.f32(), d.conv_kernel, state(p).conv(sl), co + r * ch, ch);
+    }
     for (int t = 0; t < T; ++t) {
       float* row = co + static_cast<int64_t>(t) * ch;
       cpu::l2_norm(row, d.head_k_dim, d.n_k_heads, d.head_k_dim, cfg_.rms_eps);       // q
       cpu::l2_norm(row + kd, d.head_k_dim, d.n_k_heads, d.head_k_dim, cfg_.rms_eps);  // k
     }
-    cpu::gated_delta_net(pool, d, T, co, co + kd, ch, co + 2 * kd, ch, g, beta, delta_state, o, vd);
+    for (const BatchPart& p : b.parts) {
+      const int64_t r = p.row0;
+      float* c0 = co + r * ch;
+      cpu::gated_delta_net(pool, d, p.n, c0, c0 + kd, ch, c0 + 2 * kd, ch, g + r * Hv, beta + r * Hv,
+                           state(p).delta(sl), o + r * vd, vd);
+    }
     cpu::gated_rms_norm(o, L.ssm_norm.f32(), z, o, d.head_v_dim, T * Hv, cfg_.rms_eps);
     cpu::matmul(pool, L.ssm_out, o, vd, T, y, E, scratch, 47);
   }
 
-  void ffn_block(Qwen35State& S, ThreadPool& pool, const Qwen35Layer& L, const float* xn, int T, float* y) const {
-    auto& scratch = S.scratch;
+  void ffn_block(cpu::Scratch& scratch, ThreadPool& pool, const Qwen35Layer& L, const float* xn, int T, float* y) const {
     const int E = cfg_.n_embd;
     if (!L.spec.moe) return cpu::dense_ffn(pool, L.ffn_gate, L.ffn_up, L.ffn_down, xn, T, y, scratch);
     const MoeSpec& m = *L.spec.moe;

@@ -245,7 +245,7 @@ namespace {
 int64_t max_gpu_context(const ModelConfig& cfg, const PlanOptions& opt, uint64_t weights, uint64_t reserve,
                         uint64_t expert_bytes, uint64_t budget) {
   auto fits = [&](int64_t ctx) {
-    const uint64_t need = weights + kv_cache_bytes(cfg, ctx, opt.kv) + reserve +
+    const uint64_t need = weights + std::max(opt.n_seq, 1) * kv_cache_bytes(cfg, ctx, opt.kv) + reserve +
                           gpu_scratch_bytes(cfg, opt.n_ubatch, static_cast<int>(ctx), expert_bytes, opt.prefill_chunk_experts,
                                             opt.kv.flash_on());
     return need <= budget;
@@ -533,8 +533,9 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
   // KV cache and scratch first: they are needed whatever else fits.
   const uint64_t state_fixed = kv_cache_bytes(cfg, 0, opt.kv);  // recurrent state and its checkpoints
   const uint64_t kv_per_token = kv_cache_bytes(cfg, 1, opt.kv) - state_fixed;
-  p.gpu_kv = kv_cache_bytes(cfg, opt.n_ctx, opt.kv);
-  p.state_bytes = state_fixed;
+  const uint64_t n_seq = static_cast<uint64_t>(std::max(opt.n_seq, 1));
+  p.gpu_kv = n_seq * kv_cache_bytes(cfg, opt.n_ctx, opt.kv);
+  p.state_bytes = n_seq * state_fixed;
   uint64_t per_expert = 0;  // one expert's gate + up + down bytes, largest over the layers
   {
     if (E) {
@@ -623,21 +624,23 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
     if (fixed > p.budget) {
       std::ostringstream s;
       s << "VRAM budget " << gib(p.budget) << " is too small: the non-expert weights need " << gib(p.gpu_weights)
-        << ", the KV cache of " << opt.n_ctx << " tokens " << gib(p.gpu_kv) << ", scratch " << gib(p.gpu_scratch)
+        << ", the KV cache of " << opt.n_ctx << " tokens" << (n_seq > 1 ? " x " + std::to_string(n_seq) + " sequences" : "")
+        << " " << gib(p.gpu_kv) << ", scratch " << gib(p.gpu_scratch)
         << " and the CUDA reserve " << gib(p.reserve) << " (total " << gib(fixed) << ")";
       // The advice is the same whatever context was asked for: the largest one that fits.
       const int64_t max_ctx = max_gpu_context(cfg, opt, p.gpu_weights, p.reserve, per_expert, p.budget);
       if (max_ctx >= 512) {
         s << "; a context of at most " << max_ctx << " tokens would fit";
       } else {
-        const uint64_t min_need = p.gpu_weights + kv_cache_bytes(cfg, 512, opt.kv) + p.reserve +
+        const uint64_t min_need = p.gpu_weights + n_seq * kv_cache_bytes(cfg, 512, opt.kv) + p.reserve +
                                   gpu_scratch_bytes(cfg, opt.n_ubatch, 512, per_expert, opt.prefill_chunk_experts, opt.kv.flash_on());
         s << "; at least " << gib(static_cast<double>(min_need)) << " is needed even with a 512-token context";
       }
       throw Error(s.str());
     }
     p.notes.push_back("non-expert weights " + gib(p.gpu_weights) + " and the KV cache (" + std::to_string(opt.n_ctx) +
-                      " tokens, " + opt.kv.name() + ") " + gib(p.gpu_kv) + " go to the GPU first");
+                      " tokens, " + opt.kv.name() + (n_seq > 1 ? ", " + std::to_string(n_seq) + " sequences" : "") + ") " +
+                      gib(p.gpu_kv) + " go to the GPU first");
 
     // 2. Routed experts: as many as fit, spread evenly over the layers, after the manual rules.
     if (E > 0 && !expert_idx.empty()) {
@@ -718,7 +721,7 @@ Plan make_plan(const gguf::File& file, const ModelConfig& cfg, const PlanOptions
   // Host memory, planned like VRAM: the weights' copy (pinned for a GPU run), the KV cache of a CPU run
   // and the CPU's activations for a 512-token batch, against what the machine has available.
   p.host_weight_copy = p.use_gpu || !opt.use_mmap ? file.data_bytes() : 0;
-  p.host_kv = p.use_gpu ? 0 : kv_cache_bytes(cfg, opt.n_ctx, opt.kv);
+  p.host_kv = p.use_gpu ? 0 : n_seq * kv_cache_bytes(cfg, opt.n_ctx, opt.kv);
   for (DType t : {DType::F16, DType::Q8_0, DType::Q4_0, DType::TQ4, DType::TQ3, DType::TQ2})
     p.kv_by_type.emplace_back(t, kv_cache_bytes(cfg, opt.n_ctx, KvCacheType{t, t}));
   {
@@ -778,6 +781,9 @@ std::string Plan::report() const {
     return state_bytes ? "; of which recurrent state " + mem(static_cast<double>(state_bytes)) + " with " +
                              std::to_string(kStateCheckpoints) + " checkpoints, KV for the attention layers only"
                        : std::string();
+  };
+  auto seq_note = [&] {
+    return options.n_seq > 1 ? " each, " + std::to_string(options.n_seq) + " sequences" : std::string();
   };
   s << "machine: " << (machine.gpu_name.empty() ? "no GPU" : machine.gpu_name) << ", GPU memory "
     << gib(static_cast<double>(machine.gpu_free_bytes)) << " free, GPU " << machine.gpu_mem_bw / 1e9 << " GB/s, PCIe "

@@ -52,6 +52,9 @@ struct PlanOptions {
   bool use_mmap = false;              // weights computed from the file mapping (CPU runs): not copied
   uint64_t vram_budget = 0;           // 0: the card's free memory minus a margin
   int n_ctx = 4096;
+  // Sequences held at once, each with its own KV cache (and recurrent state) of n_ctx positions: the
+  // server's --parallel plus its cached conversations. The scratch is the engine's, held once.
+  int n_seq = 1;
   KvCacheType kv;
   int n_ubatch = 0;                   // prefill micro-batch on the GPU; 0: automatic (see make_plan)
   int n_cpu_moe = 0;                  // experts of the first N layers on the host

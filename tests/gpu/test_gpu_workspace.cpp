@@ -57,29 +57,42 @@ TEST(CudaWorkspace, PlanEstimateCoversTheWorkspace) {
 TEST(GpuWorkspace, TakesWhatItCounts) {
   if (!test::has_device()) GTEST_SKIP() << "no CUDA GPU";
   for (const ModelConfig& c : {moe_shape(), dense_shape()})
-    for (int ub : {1, 512}) {
-      Plan plan;
-      plan.budget = 8ull << 30;
-      plan.options.n_ubatch = ub;
-      Engine e(c, plan);
-      WorkspaceShape s;
-      s.ubatch = ub;
-      s.expert_bytes = c.n_expert ? 4096 : 0;
-      s.host_experts = c.n_expert > 0;
+    for (int ub : {1, 512})
       for (DType kt : {DType::F16, DType::TQ3}) {
+        Plan plan;
+        plan.budget = 8ull << 30;
+        plan.options.n_ubatch = ub;
+        plan.options.n_ctx = 1024;
+        Engine e(c, plan);
+        WorkspaceShape s;
+        s.ubatch = ub;
+        s.expert_bytes = c.n_expert ? 4096 : 0;
+        s.host_experts = c.n_expert > 0;
         StateOptions so;
         so.n_ctx = 1024;
         so.kv = KvCacheType{kt, kt};
         const uint64_t before = e.mem.used();
-        GpuState st(e, so, s);
+        bool fresh = false;
+        e.workspace(s, so, &fresh);
+        EXPECT_TRUE(fresh);
         WorkspaceShape counted = s;
         counted.n_ctx = so.n_ctx;
         counted.flash_kv = so.kv.flash_on();
-        EXPECT_EQ(e.mem.used() - before - st.kv.bytes(), Workspace::device_bytes(c, counted, e.chunk_experts))
+        EXPECT_EQ(e.mem.used() - before, Workspace::device_bytes(c, counted, e.chunk_experts))
             << c.arch << " ubatch " << ub << " " << dtype_name(kt);
-        EXPECT_EQ(st.kv.bytes(), kv_cache_bytes(c, so.n_ctx, so.kv)) << c.arch << " " << dtype_name(kt);
+        // Every further sequence takes its KV cache only; one that does not fit the workspace is refused.
+        for (int i = 0; i < 2; ++i) {
+          const uint64_t at = e.mem.used();
+          e.workspace(s, so, &fresh);
+          EXPECT_FALSE(fresh);
+          GpuState st(e, so);
+          EXPECT_EQ(e.mem.used() - at, st.kv.bytes());
+          EXPECT_EQ(st.kv.bytes(), kv_cache_bytes(c, so.n_ctx, so.kv)) << c.arch << " " << dtype_name(kt);
+        }
+        StateOptions bigger = so;
+        bigger.n_ctx = 2048;
+        EXPECT_THROW(e.workspace(s, bigger, &fresh), Error);
       }
-    }
 }
 
 }  // namespace
