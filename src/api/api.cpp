@@ -1,6 +1,8 @@
 // The public API (include/fitmoe/fitmoe.h) over the engine's own types: Model, Session, Tokenizer.
 #include "fitmoe/fitmoe.h"
 
+#include "api/internal.h"
+
 #include <algorithm>
 
 #include "model/model.h"
@@ -26,34 +28,111 @@ auto guard(F&& f) -> decltype(f()) {
   }
 }
 
-size_t common_prefix(std::span<const int32_t> a, const std::vector<int32_t>& b) {
-  size_t n = 0;
-  while (n < a.size() && n < b.size() && a[n] == b[n]) ++n;
-  return n;
-}
 }  // namespace
 
-struct Engine::Impl {
-  LoadConfig config;
-  std::unique_ptr<Model> model;
-  std::unique_ptr<Tokenizer> tok;
-  KvCacheType kv;
+struct Sequence::Impl {
+  Engine::Impl& engine;
+  Session session;
+  Impl(Engine::Impl& e, const SessionOptions& so) : engine(e), session(*e.model, so, e.pool.get()) {}
 };
 
-struct Sequence::Impl {
-  const Engine::Impl& engine;
-  Session session;
-  Impl(const Engine::Impl& e, const SessionOptions& so) : engine(e), session(*e.model, so) {}
-};
+SamplerParams sampler_params(const GenerateOptions& o) {
+  SamplerParams sp;
+  sp.temperature = o.temperature;
+  sp.top_k = o.top_k;
+  sp.top_p = o.top_p;
+  sp.min_p = o.min_p;
+  sp.seed = o.seed;
+  sp.repeat_penalty = o.repeat_penalty;
+  sp.presence_penalty = o.presence_penalty;
+  sp.frequency_penalty = o.frequency_penalty;
+  return sp;
+}
+
+void check_generation(const GenerateOptions& o, std::span<const int32_t> prompt, int n_ctx, int n_vocab) {
+  if (prompt.empty()) throw ApiError("the prompt is empty");
+  if (o.max_tokens < 1) throw ApiError("max_tokens must be at least 1");
+  if (o.top_logprobs > 20) throw ApiError("top_logprobs must be at most 20");
+  if (static_cast<int>(prompt.size()) >= n_ctx)
+    throw ApiError("the prompt is " + std::to_string(prompt.size()) + " tokens; the sequence holds " + std::to_string(n_ctx));
+  for (int32_t t : prompt)
+    if (t < 0 || t >= n_vocab) throw ApiError("token id " + std::to_string(t) + " is outside the vocabulary");
+}
+
+TextStream::TextStream(const Tokenizer& tok, const GenerateOptions& o, std::function<bool(const std::string&)> on_text)
+    : tok_(tok), o_(o), on_text_(std::move(on_text)), dec_(tok) {}
+
+bool TextStream::flush(size_t end) {
+  if (end > sent_ && on_text_ && !on_text_(r_.text.substr(sent_, end - sent_))) r_.cancelled = true;
+  sent_ = std::max(sent_, end);
+  return !r_.cancelled;
+}
+
+bool TextStream::push(int32_t t, const float* logits, int n_vocab) {
+  ++r_.n_generated;
+  if (o_.top_logprobs >= 0 && logits) {
+    // log softmax of the model's logits (in double), the chosen token and the best alternatives.
+    double mx = logits[0];
+    for (int i = 1; i < n_vocab; ++i) mx = std::max(mx, static_cast<double>(logits[i]));
+    double sum = 0;
+    for (int i = 0; i < n_vocab; ++i) sum += std::exp(logits[i] - mx);
+    const double lse = mx + std::log(sum);
+    TokenLogprob lp;
+    lp.id = t;
+    lp.text = tok_.token_piece(t, false);
+    lp.logprob = static_cast<float>(logits[t] - lse);
+    std::vector<int32_t> ids(static_cast<size_t>(n_vocab));
+    for (int i = 0; i < n_vocab; ++i) ids[i] = i;
+    const int k = std::min(o_.top_logprobs, n_vocab);
+    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
+                      [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
+    for (int i = 0; i < k; ++i) lp.top.emplace_back(ids[i], static_cast<float>(logits[ids[i]] - lse));
+    r_.logprobs.push_back(std::move(lp));
+  }
+  if (tok_.is_eog(t)) {
+    r_.stopped_at_end = true;
+    return false;
+  }
+  r_.text += dec_.push(t);
+  for (const std::string& x : o_.stop) {
+    const size_t at = x.empty() ? std::string::npos : r_.text.find(x, sent_ > x.size() ? sent_ - x.size() : 0);
+    if (at != std::string::npos) {
+      r_.text.resize(at);
+      r_.stopped_at_end = true;
+      r_.stop_string = x;
+      ended_ = true;
+      flush(at);
+      return false;
+    }
+  }
+  return flush(r_.text.size() - held_prefix(r_.text, o_.stop));  // (what may still become a stop string)
+}
+
+void TextStream::finish() {
+  if (ended_ || r_.cancelled) return;
+  r_.text += dec_.flush();
+  flush(r_.text.size());
+}
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() = default;
 
+std::unique_ptr<Engine> EngineAccess::adopt(std::unique_ptr<Model> model, const SessionOptions& session, int n_threads) {
+  auto impl = std::make_unique<Engine::Impl>();
+  impl->session = session;
+  if (impl->session.kv.automatic) impl->session.kv = model->plan().options.kv;  // (auto resolved by the plan)
+  impl->config.n_ctx = session.n_ctx;
+  impl->config.n_threads = n_threads;
+  impl->tok = Tokenizer::from_gguf(model->file());
+  impl->pool = std::make_unique<ThreadPool>(default_threads(*model, n_threads));
+  impl->model = std::move(model);
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
 std::unique_ptr<Engine> Engine::load(const LoadConfig& c) {
   return guard([&] {
     if (c.n_ctx <= 0) throw ApiError("n_ctx must be positive (got " + std::to_string(c.n_ctx) + ")");
-    auto impl = std::make_unique<Impl>();
-    impl->config = c;
+    if (c.n_seq < 1 || c.n_seq > 4096) throw ApiError("n_seq must be from 1 to 4096 (got " + std::to_string(c.n_seq) + ")");
     KvCacheType kv;
     kv.automatic = c.cache_type_k == "auto" && c.cache_type_v == "auto";
     if (c.cache_type_k != "auto" && !kv_type_from_name(c.cache_type_k, &kv.k))
@@ -64,18 +143,25 @@ std::unique_ptr<Engine> Engine::load(const LoadConfig& c) {
     lo.plan.use_gpu = c.use_gpu;
     lo.plan.vram_budget = c.vram_budget;
     lo.plan.n_ctx = c.n_ctx;
+    lo.plan.n_seq = c.n_seq;
     lo.plan.kv = kv;
-    impl->model = Model::load(c.model_path, lo);
-    impl->tok = Tokenizer::from_gguf(impl->model->file());
-    impl->kv = impl->model->plan().options.kv;  // (auto resolved by the plan)
-    return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+    SessionOptions so;
+    so.n_ctx = c.n_ctx;
+    so.kv = kv;
+    so.n_threads = c.n_threads;
+    auto e = EngineAccess::adopt(Model::load(c.model_path, lo), so, c.n_threads);
+    e->impl_->config = c;
+    return e;
   });
 }
 
 std::string Engine::plan_report() const { return impl_->model->plan().report(); }
 std::string Engine::architecture() const { return impl_->model->config().arch; }
 int Engine::n_vocab() const { return impl_->model->config().n_vocab; }
+int Engine::n_ctx() const { return impl_->session.n_ctx; }
 bool Engine::on_gpu() const { return impl_->model->on_gpu(); }
+uint64_t Engine::gpu_bytes_used() const { return impl_->model->gpu_bytes_used(); }
+std::string Engine::chat_template() const { return impl_->tok->chat_template(); }
 
 std::vector<int32_t> Engine::tokenize(std::string_view text, bool add_special) const {
   return guard([&] { return impl_->tok->encode(text, add_special); });
@@ -97,12 +183,40 @@ std::string Engine::apply_chat_template(const std::vector<Message>& messages, bo
   });
 }
 
+std::string Engine::apply_chat_template_json(std::string_view messages_json, std::string_view context_json,
+                                             bool add_generation_prompt) const {
+  return guard([&] {
+    using json = nlohmann::ordered_json;
+    json msgs, ctx;
+    try {
+      msgs = json::parse(messages_json);
+      ctx = context_json.empty() ? json::object() : json::parse(context_json);
+    } catch (const json::exception& e) {
+      throw ApiError(std::string("chat template input is not valid JSON: ") + e.what());
+    }
+    if (!msgs.is_array()) throw ApiError("the messages must be a JSON list");
+    if (!ctx.is_object()) throw ApiError("the template context must be a JSON object");
+    std::vector<ChatMessage> m;
+    for (const json& x : msgs) {
+      if (!x.is_object() || !x.contains("role") || !x["role"].is_string()) throw ApiError("each message needs a string 'role'");
+      ChatMessage cm{x["role"].get<std::string>(), "", nullptr};
+      json extra = json::object();
+      for (const auto& [k, v] : x.items()) {
+        if (k == "role") continue;
+        if (k == "content" && v.is_string()) cm.content = v.get<std::string>();
+        else if (!(k == "content" && v.is_null())) extra[k] = v;
+      }
+      if (!extra.empty()) cm.extra = extra;
+      m.push_back(std::move(cm));
+    }
+    return fitmoe::apply_chat_template(*impl_->tok, m, add_generation_prompt, ctx);
+  });
+}
+
 std::unique_ptr<Sequence> Engine::new_sequence(int n_ctx) const {
   return guard([&] {
-    SessionOptions so;
-    so.n_threads = impl_->config.n_threads;
-    so.n_ctx = n_ctx > 0 ? n_ctx : impl_->config.n_ctx;
-    so.kv = impl_->kv;
+    SessionOptions so = impl_->session;
+    if (n_ctx > 0) so.n_ctx = n_ctx;
     return std::unique_ptr<Sequence>(new Sequence(std::make_unique<Sequence::Impl>(*impl_, so)));
   });
 }
@@ -120,12 +234,14 @@ std::vector<float> Sequence::eval(std::span<const int32_t> tokens, int n_logits)
     if (n_past() + static_cast<int>(tokens.size()) > n_ctx())
       throw ApiError(std::to_string(tokens.size()) + " tokens do not fit: the sequence holds " + std::to_string(n_past()) +
                      " of " + std::to_string(n_ctx()));
+    std::lock_guard<std::mutex> lock(impl_->engine.forward_mu);
     return impl_->session.eval(tokens, n_logits);
   });
 }
 
 void Sequence::truncate(int n) {
   guard([&] {
+    std::lock_guard<std::mutex> lock(impl_->engine.forward_mu);
     impl_->session.truncate(std::clamp(n, 0, n_past()));
     return 0;
   });
@@ -134,60 +250,31 @@ void Sequence::truncate(int n) {
 GenerateResult Sequence::generate(std::span<const int32_t> prompt, const GenerateOptions& o,
                                   const std::function<bool(const std::string&)>& on_text) {
   return guard([&] {
-    if (prompt.empty()) throw ApiError("the prompt is empty");
-    if (o.max_tokens < 1) throw ApiError("max_tokens must be at least 1");
     Session& s = impl_->session;
-    const Tokenizer& tok = *impl_->engine.tok;
-    if (static_cast<int>(prompt.size()) >= s.n_ctx())
-      throw ApiError("the prompt is " + std::to_string(prompt.size()) + " tokens; the sequence holds " + std::to_string(s.n_ctx()));
-    GenerateResult r;
+    const Model& m = *impl_->engine.model;
+    check_generation(o, prompt, s.n_ctx(), m.config().n_vocab);
+    std::lock_guard<std::mutex> lock(impl_->engine.forward_mu);
+    TextStream text(*impl_->engine.tok, o, on_text);
+    GenerateResult& r = text.result();
     r.n_prompt = static_cast<int>(prompt.size());
-    size_t keep = common_prefix(prompt, s.history());
-    if (keep == prompt.size()) --keep;
+    size_t keep = 0;
+    while (keep < prompt.size() && keep < s.history().size() && prompt[keep] == s.history()[keep]) ++keep;
+    if (keep == prompt.size()) --keep;  // (the last prompt token is evaluated for its logits)
     s.truncate(static_cast<int>(keep));
     r.n_reused = static_cast<int>(keep);
-    SamplerParams sp;
-    sp.temperature = o.temperature;
-    sp.top_k = o.top_k;
-    sp.top_p = o.top_p;
-    sp.min_p = o.min_p;
-    sp.seed = o.seed;
-    Sampler sampler(sp);
-    StreamDecoder dec(tok);
-    size_t sent = 0;
-    bool stop = false;
-    auto flush = [&](size_t end) {
-      if (end > sent && on_text && !on_text(r.text.substr(sent, end - sent))) stop = true;
-      sent = std::max(sent, end);
-      return !stop;
-    };
+    Sampler sampler(sampler_params(o));
     GenerationStats st;
     const std::vector<int32_t> fresh(prompt.begin() + static_cast<long>(keep), prompt.end());
+    const int n_vocab = m.config().n_vocab;
     s.generate(fresh, std::min(o.max_tokens, s.n_ctx() - r.n_prompt), sampler, [&](int32_t t) {
-      if (tok.is_eog(t)) {
-        r.stopped_at_end = true;
-        return false;
-      }
-      r.text += dec.push(t);
-      for (const std::string& x : o.stop) {
-        const size_t at = x.empty() ? std::string::npos : r.text.find(x, sent > x.size() ? sent - x.size() : 0);
-        if (at != std::string::npos) {
-          r.text.resize(at);
-          r.stopped_at_end = true;
-          flush(at);
-          return false;
-        }
-      }
-      return flush(r.text.size() - held_prefix(r.text, o.stop));  // (what may still become a stop string)
-    }, tok.eog_tokens(), &st);
-    if (!r.stopped_at_end || r.text.size() > sent) {
-      r.text += dec.flush();
-      flush(r.text.size());
-    }
+      return text.push(t, o.top_logprobs >= 0 ? s.last_logits() : nullptr, n_vocab);
+    }, {}, &st);
+    text.finish();
     s.checkpoint();
     r.n_generated = st.n_generated;
     r.prompt_tokens_per_second = st.prompt_tps();
     r.decode_tokens_per_second = st.generate_tps();
+    r.seconds_to_first_token = st.prompt_seconds;
     return r;
   });
 }

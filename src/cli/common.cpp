@@ -177,6 +177,7 @@ LoadOptions load_options(const ModelOptions& o) {
   lo.plan.use_gpu = o.gpu != "none" && o.n_gpu_layers != 0;
   lo.plan.vram_budget = o.vram.empty() ? 0 : parse_size(o.vram);
   lo.plan.n_ctx = o.ctx;
+  lo.plan.n_seq = o.n_seq;
   lo.plan.kv = kv_cache_type(o);
   lo.plan.n_ubatch = o.batch;
   lo.plan.n_cpu_moe = o.n_cpu_moe;

@@ -19,6 +19,7 @@ struct ModelOptions {
   std::string model_path;
   int threads = 0;
   int ctx = 4096;
+  int n_seq = 1;  // sequences the plan holds at once (serve: --parallel + --cache)
   std::string cache_type_k = "auto", cache_type_v = "auto";  // -ctk / -ctv
   std::string flash_attn = "auto";                          // -fa on|off|auto
   int batch = 0;  // 0: automatic (512; 2048 on the GPU when prefill streams host experts)

@@ -155,6 +155,7 @@ class Gemma4Gpu final : public GpuRunner, private gpu::LayerProgram {
   }
 
   std::string memory_report() const override { return e_.mem.usage_report(); }
+  uint64_t memory_used() const override { return e_.mem.used(); }
 
   void forward(ThreadPool& pool, const BatchRows& batch, float* logits) override {
     for (const BatchPart& p : batch.parts)

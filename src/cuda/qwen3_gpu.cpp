@@ -78,6 +78,7 @@ class Qwen3Gpu final : public GpuRunner, private gpu::LayerProgram {
   }
 
   std::string memory_report() const override { return e_.mem.usage_report(); }
+  uint64_t memory_used() const override { return e_.mem.used(); }
   RoutingGuessStats routing_guess_stats() const override { return e_.guess_stats; }
 
   void forward(ThreadPool& pool, const BatchRows& batch, float* logits) override {

@@ -15,6 +15,7 @@ class GpuRunner {
   // Model::forward_impl's contract (a batch of one or more sequences' rows).
   virtual void forward(ThreadPool& pool, const BatchRows& batch, float* logits) = 0;
   virtual std::string memory_report() const = 0;
+  virtual uint64_t memory_used() const = 0;
   virtual RoutingGuessStats routing_guess_stats() const { return {}; }
 };
 

@@ -34,6 +34,7 @@ const std::map<std::string, ModelFactory>& registry() {
 Model::~Model() { gpu_.reset(); }
 
 std::string Model::gpu_memory_report() const { return gpu_ ? gpu_->memory_report() : std::string(); }
+uint64_t Model::gpu_bytes_used() const { return gpu_ ? gpu_->memory_used() : 0; }
 RoutingGuessStats Model::routing_guess_stats() const { return gpu_ ? gpu_->routing_guess_stats() : RoutingGuessStats{}; }
 
 std::vector<std::string> Model::supported_architectures() {

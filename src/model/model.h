@@ -148,6 +148,7 @@ class Model {
   const Plan& plan() const { return plan_; }
   bool on_gpu() const { return gpu_ != nullptr; }
   std::string gpu_memory_report() const;
+  uint64_t gpu_bytes_used() const;  // what the GPU engine's accountant holds (0 without a GPU)
   RoutingGuessStats routing_guess_stats() const;  // zeros without a GPU
   const gguf::File& file() const { return *file_; }
   std::shared_ptr<gguf::File> file_ptr() const { return file_; }

@@ -9,19 +9,20 @@
 
 namespace fitmoe {
 
-namespace {
 // Threads when the caller leaves it to us: every core on the CPU; with a GPU every core but one, which
 // is left to the CUDA driver and the OS (on the H200 host, hybrid decode ran at 71 tok/s on 15 of 16
 // cores and 61 +- 3 on all 16: a preempted pool thread stalls every layer).
-int resolve_threads(const Model& model, int requested) {
+int default_threads(const Model& model, int requested) {
   if (requested > 0) return requested;
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   return model.on_gpu() ? std::max(1, cores - 1) : cores;
 }
-}  // namespace
 
-Session::Session(const Model& model, const SessionOptions& opt)
-    : model_(model), opt_(opt), pool_(resolve_threads(model, opt.n_threads)) {
+Session::Session(const Model& model, const SessionOptions& opt, ThreadPool* pool)
+    : model_(model),
+      opt_(opt),
+      own_pool_(pool ? nullptr : std::make_unique<ThreadPool>(default_threads(model, opt.n_threads))),
+      pool_(pool ? pool : own_pool_.get()) {
   if (opt.n_ctx <= 0) throw Error("context size must be positive");
   if (opt_.kv.automatic) opt_.kv = model.plan().options.kv;  // the plan's choice
   // A CPU run keeps the KV cache (and any recurrent state with its checkpoints) in host memory: fail
@@ -49,7 +50,7 @@ const std::vector<float>& Session::eval(std::span<const int32_t> tokens, int n_l
     const int first_wanted = n - n_logits;
     const int want = std::max(0, b + len - std::max(first_wanted, b));
     float* dst = want ? logits.data() + static_cast<size_t>(b + len - want - first_wanted) * n_vocab : nullptr;
-    model_.forward(*state_, pool_, tokens.subspan(b, len), want, dst);
+    model_.forward(*state_, *pool_, tokens.subspan(b, len), want, dst);
   }
   history_.insert(history_.end(), tokens.begin(), tokens.end());
   // A recurrent state cannot be rewound, only restored: keep one at the end of each prompt-sized
@@ -70,13 +71,21 @@ void Session::truncate(int n) {
   if (at < n) {
     for (int b = at; b < n; b += opt_.n_batch) {
       const int len = std::min(opt_.n_batch, n - b);
-      model_.forward(*state_, pool_, std::span<const int32_t>(history_.data() + b, static_cast<size_t>(len)), 0, nullptr);
+      model_.forward(*state_, *pool_, std::span<const int32_t>(history_.data() + b, static_cast<size_t>(len)), 0, nullptr);
     }
     state_->checkpoint();
   }
 }
 
 void Session::checkpoint() { state_->checkpoint(); }
+
+void Session::eval_batch(ThreadPool& pool, std::span<const Part> parts, float* logits) {
+  if (parts.empty()) return;
+  std::vector<BatchSeq> seqs;
+  for (const Part& p : parts) seqs.push_back({p.session->state_.get(), p.tokens, p.n_logits});
+  parts[0].session->model_.forward_batch(pool, seqs, logits);
+  for (const Part& p : parts) p.session->history_.insert(p.session->history_.end(), p.tokens.begin(), p.tokens.end());
+}
 
 std::vector<int32_t> Session::generate(std::span<const int32_t> prompt, int n_predict, Sampler& sampler,
                                        const std::function<bool(int32_t)>& on_token,

@@ -30,13 +30,19 @@ struct GenerationStats {
   double generate_tps() const { return generate_seconds > 0 ? n_decoded / generate_seconds : 0; }
 };
 
+// The threads of a pool when the caller leaves it to us (requested <= 0): every core on the CPU, all
+// but one with a GPU.
+int default_threads(const Model& model, int requested);
+
 class Session {
  public:
-  Session(const Model& model, const SessionOptions& opt);
+  // pool: a thread pool shared by several sessions of one model (null: the session makes its own, of
+  // opt.n_threads). Sessions sharing one pool must not evaluate at the same time.
+  Session(const Model& model, const SessionOptions& opt, ThreadPool* pool = nullptr);
 
   const Model& model() const { return model_; }
   ModelState& state() { return *state_; }
-  ThreadPool& pool() { return pool_; }
+  ThreadPool& pool() { return *pool_; }
   int n_past() const { return state_->n_past(); }
   int n_ctx() const { return state_->n_ctx(); }
 
@@ -48,6 +54,8 @@ class Session {
 
   // Tokens whose K/V the state holds, in order (what eval() and generate() fed).
   const std::vector<int32_t>& history() const { return history_; }
+  // The last row of logits eval() returned (in generate()'s callback: the row its token was drawn from).
+  const float* last_logits() const { return logits_.empty() ? nullptr : logits_.data() + logits_.size() - model_.config().n_vocab; }
   // Forgets every position from n on (chat rewinds to the part of a conversation that is unchanged).
   // With recurrent layers (qwen35) the state is restored from its nearest checkpoint at or below n and
   // the history from there to n is evaluated again, so afterwards n_past() == n either way.
@@ -56,6 +64,17 @@ class Session {
   // so that a later truncate() to here needs no re-evaluation. eval() keeps one after every batch of
   // more than one token; chat should call this at the end of each answer.
   void checkpoint();
+
+  // One forward pass over several sessions of one model (Model::forward_batch): each evaluates its
+  // tokens (appended to its history) and the logits of its last n_logits positions go to `logits` in
+  // order. The caller keeps each part within its context and, for recurrent states, checkpoints where
+  // it wants.
+  struct Part {
+    Session* session;
+    std::span<const int32_t> tokens;
+    int n_logits;
+  };
+  static void eval_batch(ThreadPool& pool, std::span<const Part> parts, float* logits);
 
   // Prompt in batches, then one token per step until n_predict tokens, a stop token or a callback
   // returning false. on_token sees each generated id.
@@ -66,7 +85,8 @@ class Session {
  private:
   const Model& model_;
   SessionOptions opt_;
-  ThreadPool pool_;
+  std::unique_ptr<ThreadPool> own_pool_;
+  ThreadPool* pool_;
   std::unique_ptr<ModelState> state_;
   std::vector<int32_t> history_;
   std::vector<float> logits_;  // what eval returns

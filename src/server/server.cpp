@@ -1,5 +1,6 @@
 // The HTTP server: server.h says what it serves. cpp-httplib does the HTTP (a thread per connection
-// from its pool); nlohmann::json the bodies. One mutex serialises the sequence's use.
+// from its pool); nlohmann::json the bodies; fitmoe::Scheduler the generations (a connection's thread
+// waits for its request's text and writes it out, so a slow client never holds up the batch).
 #include "server/server.h"
 
 #include <httplib.h>
@@ -8,17 +9,15 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <deque>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
-#include "runtime/error.h"
 #include "server/reasoning.h"
 #include "server/tool_calls.h"
-#include "text/held_prefix.h"
-#include "text/chat.h"
-#include "text/tokenizer.h"
 
 namespace fitmoe::server {
 
@@ -97,18 +96,10 @@ bool bool_field(const json& b, const char* k, bool def) {
   return b[k].get<bool>();
 }
 
-size_t common_prefix(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
-  size_t n = 0;
-  while (n < a.size() && n < b.size() && a[n] == b[n]) ++n;
-  return n;
-}
-
 // What one generation needs, checked before any work.
 struct GenRequest {
   std::vector<int32_t> prompt;
-  int max_tokens = 0;
-  SamplerParams sampler;
-  std::vector<std::string> stop;
+  GenerateOptions gen;  // max_tokens, sampling, stop strings, logprobs
   bool stream = false, include_usage = false;
   // Thinking models (a template with <think>): the answer's reasoning goes to reasoning_content;
   // in_thinking: the generation prompt itself opened <think>.
@@ -123,6 +114,17 @@ struct GenResult {
   int n_prompt = 0, n_completion = 0, n_reused = 0;
   double prompt_tps = 0, decode_tps = 0;
   bool cancelled = false;
+  std::vector<TokenLogprob> logprobs;
+};
+
+// A request in the scheduler and the pieces of text it produced that its connection has not written
+// yet (the scheduler's thread pushes, the connection's thread pops).
+struct Pending {
+  std::shared_ptr<Job> job;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::string> pieces;
+  std::atomic<bool> gone{false};  // the client is gone: stop at the next step
 };
 
 int64_t now_seconds() {
@@ -132,29 +134,31 @@ int64_t now_seconds() {
 }  // namespace
 
 struct Server::Impl {
-  const Model& model;
+  Engine& engine;
   ServerOptions opt;
-  std::unique_ptr<Tokenizer> tok;
-  Session session;
-  std::mutex mu;                 // the sequence, one request at a time
-  std::atomic<int> waiting{0};   // requests queued behind it
+  Scheduler scheduler;
   std::atomic<uint64_t> next_id{1};
   httplib::Server http;
   int port = -1;
   bool thinking_template = false;  // the chat template knows <think> (Qwen3, Qwen3.5/3.6)
-  // /metrics (written under mu, read without it: figures for a dashboard, not a ledger)
+  // /metrics beyond the scheduler's own figures (figures for a dashboard, not a ledger)
   struct Metrics {
-    std::atomic<uint64_t> requests{0}, prompt_tokens{0}, reused_tokens{0}, completion_tokens{0}, refused{0};
-    std::atomic<double> last_prompt_tps{0}, last_decode_tps{0};
+    std::atomic<uint64_t> refused{0};
+    std::atomic<double> last_prompt_tps{0}, last_decode_tps{0}, last_ttft{0};
   } metrics;
 
-  Impl(const Model& m, const SessionOptions& so, const ServerOptions& o)
-      : model(m), opt(o), tok(Tokenizer::from_gguf(m.file())), session(m, so) {
-    if (opt.parallel != 1)
-      throw Error("--parallel " + std::to_string(opt.parallel) +
-                  ": the server runs one sequence so far (several sequences per engine are not implemented yet)");
-    if (opt.alias.empty()) opt.alias = m.config().name.empty() ? "fitmoe" : m.config().name;
-    thinking_template = tok->chat_template().find("<think>") != std::string::npos;
+  static SchedulerConfig scheduler_config(const ServerOptions& o) {
+    SchedulerConfig c;
+    c.n_parallel = o.parallel;
+    c.n_cached = o.cached;
+    c.max_queue = o.max_queue;
+    c.prefill_chunk = o.prefill_chunk;
+    return c;
+  }
+
+  Impl(Engine& e, const ServerOptions& o) : engine(e), opt(o), scheduler(e, scheduler_config(o)) {
+    if (opt.alias.empty()) opt.alias = "fitmoe";
+    thinking_template = engine.chat_template().find("<think>") != std::string::npos;
     routes();
   }
 
@@ -170,36 +174,45 @@ struct Server::Impl {
   void common_fields(const json& b, GenRequest& g) {
     check_model(b);
     if (int_field(b, "n", 1, 1, 1 << 20) != 1) refuse("'n' must be 1 (one choice per request)", "n");
-    // Fields fitmoe does not implement yet are refused when they would change the answer, never ignored.
-    if (bool_field(b, "logprobs", false) || int_field(b, "top_logprobs", 0, 0, 20) > 0)
-      refuse("'logprobs' / 'top_logprobs' are not implemented yet", "logprobs");
-    for (const char* k : {"presence_penalty", "frequency_penalty"})
-      if (number_field(b, k, 0, -2, 2) != 0) refuse(std::string("'") + k + "' is not implemented yet (0 only)", k);
+    GenerateOptions& o = g.gen;
+    o = opt.defaults;
     int64_t max_tokens = int_field(b, "max_completion_tokens", -1, 1, 1 << 30);
     if (max_tokens < 0) max_tokens = int_field(b, "max_tokens", opt.default_max_tokens, 1, 1 << 30);
-    g.max_tokens = static_cast<int>(max_tokens);
-    g.sampler = opt.sampler;
-    g.sampler.temperature = static_cast<float>(number_field(b, "temperature", opt.sampler.temperature, 0, 2));
-    g.sampler.top_p = static_cast<float>(number_field(b, "top_p", opt.sampler.top_p, 0, 1));
-    g.sampler.top_k = static_cast<int>(int_field(b, "top_k", opt.sampler.top_k, 0, 1 << 30));
-    g.sampler.min_p = static_cast<float>(number_field(b, "min_p", opt.sampler.min_p, 0, 1));
-    g.sampler.seed = static_cast<uint64_t>(int_field(b, "seed", static_cast<int64_t>(opt.sampler.seed & 0x7fffffffffffffffULL),
-                                                     INT64_MIN, INT64_MAX));
+    o.max_tokens = static_cast<int>(max_tokens);
+    o.temperature = static_cast<float>(number_field(b, "temperature", o.temperature, 0, 2));
+    o.top_p = static_cast<float>(number_field(b, "top_p", o.top_p, 0, 1));
+    o.top_k = static_cast<int>(int_field(b, "top_k", o.top_k, 0, 1 << 30));
+    o.min_p = static_cast<float>(number_field(b, "min_p", o.min_p, 0, 1));
+    o.presence_penalty = static_cast<float>(number_field(b, "presence_penalty", 0, -2, 2));
+    o.frequency_penalty = static_cast<float>(number_field(b, "frequency_penalty", 0, -2, 2));
+    o.repeat_penalty = static_cast<float>(number_field(b, "repeat_penalty", o.repeat_penalty, 0.01, 10));
+    o.seed = static_cast<uint64_t>(int_field(b, "seed", static_cast<int64_t>(o.seed & 0x7fffffffffffffffULL), INT64_MIN, INT64_MAX));
+    // logprobs: chat takes a boolean and top_logprobs (0..20); completions an integer (0..5).
+    if (b.contains("logprobs") && !b["logprobs"].is_null()) {
+      if (b["logprobs"].is_boolean()) {
+        if (b["logprobs"].get<bool>()) o.top_logprobs = static_cast<int>(int_field(b, "top_logprobs", 0, 0, 20));
+      } else {
+        o.top_logprobs = static_cast<int>(int_field(b, "logprobs", 0, 0, 5));
+      }
+    } else if (int_field(b, "top_logprobs", 0, 0, 20) > 0) {
+      refuse("'top_logprobs' needs 'logprobs': true", "top_logprobs");
+    }
     if (b.contains("stop") && !b["stop"].is_null()) {
       const json& s = b["stop"];
       if (s.is_string()) {
-        g.stop.push_back(s.get<std::string>());
+        o.stop.push_back(s.get<std::string>());
       } else if (s.is_array() && s.size() <= 16) {
         for (const auto& x : s) {
           if (!x.is_string()) refuse("'stop' must be a string or a list of strings", "stop");
-          g.stop.push_back(x.get<std::string>());
+          o.stop.push_back(x.get<std::string>());
         }
       } else {
         refuse("'stop' must be a string or a list of at most 16 strings", "stop");
       }
-      g.stop.erase(std::remove(g.stop.begin(), g.stop.end(), std::string()), g.stop.end());
+      o.stop.erase(std::remove(o.stop.begin(), o.stop.end(), std::string()), o.stop.end());
     }
     g.stream = bool_field(b, "stream", false);
+    if (g.stream && o.top_logprobs >= 0) refuse("'logprobs' are not implemented for streamed answers yet", "logprobs");
     if (b.contains("stream_options") && !b["stream_options"].is_null()) {
       if (!b["stream_options"].is_object()) refuse("'stream_options' must be an object", "stream_options");
       g.include_usage = bool_field(b["stream_options"], "include_usage", false);
@@ -208,18 +221,18 @@ struct Server::Impl {
   }
 
   void check_length(const GenRequest& g) {
-    const int n_ctx = session.n_ctx();
+    const int n_ctx = engine.n_ctx();
     if (static_cast<int>(g.prompt.size()) >= n_ctx)
       refuse("the prompt is " + std::to_string(g.prompt.size()) + " tokens; the context holds " + std::to_string(n_ctx) +
                  " and the answer needs at least one more",
              "messages", 400, "context_length_exceeded");
   }
 
-  std::vector<int32_t> render(const std::vector<ChatMessage>& msgs, const json& ctx, GenRequest* g = nullptr) {
+  std::vector<int32_t> render(const json& msgs, const json& ctx, GenRequest* g = nullptr) {
     std::string text;
     try {
-      text = apply_chat_template(*tok, msgs, true, ctx);
-    } catch (const Error& e) {
+      text = engine.apply_chat_template_json(dump(msgs), dump(ctx), true);
+    } catch (const ApiError& e) {
       refuse(std::string("the chat template cannot render these messages: ") + e.what(), "messages");
     }
     if (g && thinking_template) {
@@ -229,7 +242,7 @@ struct Server::Impl {
       g->in_thinking = open != std::string::npos && turn != std::string::npos && open > turn &&
                        (close == std::string::npos || close < open);
     }
-    return tok->encode(text, /*add_special=*/true);
+    return engine.tokenize(text, /*add_special=*/true);
   }
 
   // Anthropic's Messages API: system apart, content as text blocks, max_tokens required.
@@ -246,8 +259,8 @@ struct Server::Impl {
       }
       return t;
     };
-    std::vector<ChatMessage> msgs;
-    if (b.contains("system") && !b["system"].is_null()) msgs.push_back({"system", text_of(b["system"], "system"), nullptr});
+    json msgs = json::array();
+    if (b.contains("system") && !b["system"].is_null()) msgs.push_back({{"role", "system"}, {"content", text_of(b["system"], "system")}});
     if (!b.contains("messages") || !b["messages"].is_array() || b["messages"].empty())
       refuse("'messages' must be a non-empty list", "messages");
     for (const auto& m : b["messages"]) {
@@ -255,21 +268,22 @@ struct Server::Impl {
         refuse("each message must be an object with 'role' and 'content'", "messages");
       const std::string role = m["role"].get<std::string>();
       if (role != "user" && role != "assistant") refuse("unknown message role '" + role + "' (user, assistant)", "messages");
-      msgs.push_back({role, text_of(m["content"], "messages"), nullptr});
+      msgs.push_back({{"role", role}, {"content", text_of(m["content"], "messages")}});
     }
     if (!b.contains("max_tokens")) refuse("'max_tokens' is required", "max_tokens");
     GenRequest g;
     g.prompt = render(msgs, json::object());
-    g.max_tokens = static_cast<int>(int_field(b, "max_tokens", 1, 1, 1 << 30));
-    g.sampler = opt.sampler;
-    g.sampler.temperature = static_cast<float>(number_field(b, "temperature", opt.sampler.temperature, 0, 1));
-    g.sampler.top_p = static_cast<float>(number_field(b, "top_p", opt.sampler.top_p, 0, 1));
-    g.sampler.top_k = static_cast<int>(int_field(b, "top_k", opt.sampler.top_k, 0, 1 << 30));
+    GenerateOptions& o = g.gen;
+    o = opt.defaults;
+    o.max_tokens = static_cast<int>(int_field(b, "max_tokens", 1, 1, 1 << 30));
+    o.temperature = static_cast<float>(number_field(b, "temperature", o.temperature, 0, 1));
+    o.top_p = static_cast<float>(number_field(b, "top_p", o.top_p, 0, 1));
+    o.top_k = static_cast<int>(int_field(b, "top_k", o.top_k, 0, 1 << 30));
     if (b.contains("stop_sequences") && !b["stop_sequences"].is_null()) {
       if (!b["stop_sequences"].is_array()) refuse("'stop_sequences' must be a list of strings", "stop_sequences");
       for (const auto& x : b["stop_sequences"]) {
         if (!x.is_string()) refuse("'stop_sequences' must be a list of strings", "stop_sequences");
-        if (!x.get<std::string>().empty()) g.stop.push_back(x.get<std::string>());
+        if (!x.get<std::string>().empty()) o.stop.push_back(x.get<std::string>());
       }
     }
     g.stream = bool_field(b, "stream", false);
@@ -280,7 +294,7 @@ struct Server::Impl {
   GenRequest chat_request(const json& b) {
     if (!b.contains("messages") || !b["messages"].is_array() || b["messages"].empty())
       refuse("'messages' must be a non-empty list", "messages");
-    std::vector<ChatMessage> msgs;
+    json msgs = json::array();
     for (const auto& m : b["messages"]) {
       if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
         refuse("each message must be an object with a 'role'", "messages");
@@ -288,23 +302,23 @@ struct Server::Impl {
       if (role == "developer") role = "system";
       if (role != "system" && role != "user" && role != "assistant" && role != "tool")
         refuse("unknown message role '" + role + "' (system, developer, user, assistant, tool)", "messages");
-      ChatMessage cm{role, "", nullptr};
+      json cm = {{"role", role}, {"content", ""}};
       const json c = m.contains("content") ? m["content"] : json(nullptr);
       if (c.is_string()) {
-        cm.content = c.get<std::string>();
+        cm["content"] = c;
       } else if (c.is_array()) {
+        std::string text;
         for (const auto& part : c) {
           if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
             refuse("only text content parts are supported ({\"type\": \"text\", \"text\": ...})", "messages");
-          cm.content += part["text"].get<std::string>();
+          text += part["text"].get<std::string>();
         }
+        cm["content"] = text;
       } else if (!c.is_null()) {
         refuse("a message's 'content' must be a string, a list of text parts or null", "messages");
       }
-      json extra = json::object();
       for (const char* k : {"tool_calls", "name", "tool_call_id", "reasoning_content"})
-        if (m.contains(k)) extra[k] = m[k];
-      if (!extra.empty()) cm.extra = extra;
+        if (m.contains(k)) cm[k] = m[k];
       msgs.push_back(std::move(cm));
     }
     json ctx = json::object();
@@ -342,9 +356,9 @@ struct Server::Impl {
     GenRequest g;
     const json& p = b["prompt"];
     if (p.is_string()) {
-      g.prompt = tok->encode(p.get<std::string>(), /*add_special=*/true);
+      g.prompt = engine.tokenize(p.get<std::string>(), /*add_special=*/true);
     } else if (p.is_array() && !p.empty() && std::all_of(p.begin(), p.end(), [](const json& x) { return x.is_number_integer(); })) {
-      const int n_vocab = model.config().n_vocab;
+      const int n_vocab = engine.n_vocab();
       for (const auto& x : p) {
         const int64_t id = x.get<int64_t>();
         if (id < 0 || id >= n_vocab) refuse("token id " + std::to_string(id) + " is outside the vocabulary", "prompt");
@@ -358,82 +372,117 @@ struct Server::Impl {
     return g;
   }
 
-  // Runs one generation on the sequence (the caller holds mu). emit(text) gets each piece of the
-  // answer that is final (text that could still turn into a stop string is held back); false from it
-  // cancels. Evaluates only the part of the prompt the sequence does not hold already.
-  GenResult generate(const GenRequest& g, const std::function<bool(const std::string&)>& emit) {
-    Session& s = session;
-    GenResult r;
-    r.n_prompt = static_cast<int>(g.prompt.size());
-    size_t keep = common_prefix(g.prompt, s.history());
-    if (keep == g.prompt.size()) --keep;  // (the last prompt token is evaluated for its logits)
-    s.truncate(static_cast<int>(keep));
-    const std::vector<int32_t> fresh(g.prompt.begin() + static_cast<long>(keep), g.prompt.end());
-    const int room = s.n_ctx() - static_cast<int>(g.prompt.size());
-    const int budget = std::min(g.max_tokens, room);
-    Sampler sampler(g.sampler);
-    StreamDecoder dec(*tok);
-    size_t sent = 0;
-    bool stopped = false;
-    auto flush_to = [&](size_t end) {
-      if (end > sent) {
-        if (!emit(r.text.substr(sent, end - sent))) r.cancelled = true;
-        sent = end;
-      }
-      return !r.cancelled;
-    };
-    GenerationStats st;
-    s.generate(fresh, budget, sampler, [&](int32_t t) {
-      if (tok->is_eog(t)) {
-        r.finish = "stop";
-        return false;
-      }
-      r.text += dec.push(t);
-      for (const std::string& stop : g.stop) {
-        const size_t from = sent > stop.size() ? sent - stop.size() : 0;
-        const size_t at = r.text.find(stop, from);
-        if (at != std::string::npos) {
-          r.text.resize(at);
-          r.finish = "stop";
-          r.stop_hit = stop;
-          stopped = true;
-          flush_to(r.text.size());
-          return false;
+  // Queues one generation (a full queue answers 503 here, before any byte of a stream is sent).
+  std::shared_ptr<Pending> start(const GenRequest& g) {
+    auto p = std::make_shared<Pending>();
+    std::weak_ptr<Pending> w = p;
+    try {
+      p->job = scheduler.submit(g.prompt, g.gen, [w](const std::string& piece) {
+        auto q = w.lock();
+        if (!q) return false;
+        {
+          std::lock_guard<std::mutex> lock(q->mu);
+          q->pieces.push_back(piece);
+        }
+        q->cv.notify_one();
+        return !q->gone.load();
+      });
+    } catch (const QueueFull& e) {
+      refuse(e.what(), "", 503);
+    } catch (const ApiError& e) {
+      refuse(e.what(), "messages");
+    }
+    return p;
+  }
+
+  // Waits for the generation on the connection's thread: emit(text) gets each piece of the answer as
+  // it becomes final (text that could still turn into a stop string is held back); false from it (the
+  // client is gone) cancels the generation at its next step.
+  GenResult finish(Pending& p, const std::function<bool(const std::string&)>& emit) {
+    bool writing = true;
+    for (;;) {
+      std::deque<std::string> got;
+      bool done;
+      {
+        std::unique_lock<std::mutex> lock(p.mu);
+        p.cv.wait_for(lock, std::chrono::milliseconds(20), [&] { return !p.pieces.empty(); });
+        got.swap(p.pieces);
+        done = p.job->done();  // (its last piece was pushed before it was done)
+        if (done) {
+          for (auto& x : p.pieces) got.push_back(std::move(x));
+          p.pieces.clear();
         }
       }
-      return flush_to(r.text.size() - held_prefix(r.text, g.stop));  // (what may still become a stop string)
-    }, tok->eog_tokens(), &st);
-    if (!stopped && !r.cancelled) {
-      r.text += dec.flush();
-      flush_to(r.text.size());
+      for (const std::string& piece : got)
+        if (writing && !emit(piece)) {
+          writing = false;
+          p.gone = true;
+          p.job->cancel();
+        }
+      if (done) break;
     }
-    r.n_completion = st.n_generated;
-    r.n_reused = static_cast<int>(keep);
-    r.prompt_tps = st.prompt_tps();
-    r.decode_tps = st.generate_tps();
-    metrics.requests++;
-    metrics.prompt_tokens += r.n_prompt;
-    metrics.reused_tokens += r.n_reused;
-    metrics.completion_tokens += r.n_completion;
+    GenerateResult x;
+    try {
+      x = p.job->wait();
+    } catch (const ApiError& e) {
+      refuse(e.what(), "", 500);
+    }
+    GenResult r;
+    r.text = x.text;
+    r.finish = x.stopped_at_end ? "stop" : "length";
+    r.stop_hit = x.stop_string;
+    r.n_prompt = x.n_prompt;
+    r.n_completion = x.n_generated;
+    r.n_reused = x.n_reused;
+    r.prompt_tps = x.prompt_tokens_per_second;
+    r.decode_tps = x.decode_tokens_per_second;
+    r.cancelled = x.cancelled || !writing;
+    r.logprobs = std::move(x.logprobs);
     metrics.last_prompt_tps = r.prompt_tps;
     metrics.last_decode_tps = r.decode_tps;
-    s.checkpoint();  // (a recurrent state: the next request continues from here without re-evaluation)
+    metrics.last_ttft = x.seconds_to_first_token;
     return r;
   }
 
-  // Queue bookkeeping around the sequence's lock.
-  struct Turn {
-    Impl& i;
-    std::unique_lock<std::mutex> lock;
-    explicit Turn(Impl& impl) : i(impl) {
-      if (i.waiting.fetch_add(1) >= i.opt.max_queue) {
-        i.waiting.fetch_sub(1);
-        refuse("the server is busy: " + std::to_string(i.opt.max_queue) + " requests are waiting", "", 503);
+  GenResult generate(const GenRequest& g) {
+    auto p = start(g);
+    return finish(*p, [](const std::string&) { return true; });
+  }
+
+  // OpenAI's logprobs: chat {"content": [{token, logprob, bytes, top_logprobs}]}, completions
+  // {tokens, token_logprobs, top_logprobs, text_offset}.
+  json logprobs_json(const GenResult& r, bool chat) {
+    auto bytes = [](const std::string& t) {
+      json b = json::array();
+      for (unsigned char c : t) b.push_back(static_cast<int>(c));
+      return b;
+    };
+    auto piece = [&](int32_t id) { return engine.detokenize(std::span<const int32_t>(&id, 1)); };
+    if (chat) {
+      json content = json::array();
+      for (const TokenLogprob& t : r.logprobs) {
+        json top = json::array();
+        for (const auto& [id, lp] : t.top) {
+          const std::string s = piece(id);
+          top.push_back({{"token", s}, {"logprob", lp}, {"bytes", bytes(s)}});
+        }
+        content.push_back({{"token", t.text}, {"logprob", t.logprob}, {"bytes", bytes(t.text)}, {"top_logprobs", top}});
       }
-      lock = std::unique_lock<std::mutex>(i.mu);
-      i.waiting.fetch_sub(1);
+      return {{"content", content}};
     }
-  };
+    json tokens = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
+    size_t off = 0;
+    for (const TokenLogprob& t : r.logprobs) {
+      tokens.push_back(t.text);
+      lps.push_back(t.logprob);
+      json top = json::object();
+      for (const auto& [id, lp] : t.top) top[piece(id)] = lp;
+      tops.push_back(top);
+      offsets.push_back(off);
+      off += t.text.size();
+    }
+    return {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
+  }
 
   // One tool call in OpenAI's shape (with its index in a streamed delta).
   json tool_call_json(const ToolCall& c, size_t index, bool with_index) {
@@ -444,7 +493,8 @@ struct Server::Impl {
   }
 
   json usage(const GenResult& r) const {
-    return {{"prompt_tokens", r.n_prompt}, {"completion_tokens", r.n_completion}, {"total_tokens", r.n_prompt + r.n_completion}};
+    return {{"prompt_tokens", r.n_prompt}, {"completion_tokens", r.n_completion}, {"total_tokens", r.n_prompt + r.n_completion},
+            {"prompt_tokens_details", {{"cached_tokens", r.n_reused}}}};
   }
 
   // Chat and completions: the same flow, different shapes of the answer.
@@ -455,8 +505,7 @@ struct Server::Impl {
     const int64_t created = now_seconds();
     const char* object = chat ? "chat.completion" : "text_completion";
     if (!g.stream) {
-      Turn turn(*this);
-      GenResult r = generate(g, [](const std::string&) { return true; });
+      GenResult r = generate(g);
       json choice = {{"index", 0}};
       if (chat) {
         std::string reasoning, content;
@@ -481,6 +530,7 @@ struct Server::Impl {
       } else {
         choice["text"] = r.text, choice["logprobs"] = nullptr;
       }
+      if (g.gen.top_logprobs >= 0) choice["logprobs"] = logprobs_json(r, chat);
       choice["finish_reason"] = r.finish;
       json out = {{"id", id}, {"object", object}, {"created", created}, {"model", opt.alias}, {"choices", json::array({choice})},
                   {"usage", usage(r)}};
@@ -488,10 +538,11 @@ struct Server::Impl {
       return;
     }
     // Streaming: server-sent events, one chunk per piece of text, then the finish, the usage if asked,
-    // and [DONE]. The generation runs in the provider, on the connection's thread.
-    auto turn = std::make_shared<std::unique_ptr<Turn>>(std::make_unique<Turn>(*this));
+    // and [DONE]. The request is queued now (503 before any event when the queue is full); the
+    // provider, on the connection's thread, writes its text as it comes.
+    std::shared_ptr<Pending> pending = start(g);
     res.set_header("Cache-Control", "no-cache");
-    res.set_chunked_content_provider("text/event-stream", [this, g, id, created, chat, turn](size_t, httplib::DataSink& sink) {
+    res.set_chunked_content_provider("text/event-stream", [this, g, id, created, chat, pending](size_t, httplib::DataSink& sink) {
       const char* chunk_object = chat ? "chat.completion.chunk" : "text_completion";
       auto event = [&](const json& j) {
         const std::string s = "data: " + dump(j) + "\n\n";
@@ -517,16 +568,18 @@ struct Server::Impl {
         if (chat && g.split_thinking) {
           ThinkSplitter split([&](const std::string& t) { return chunk(json{{"reasoning_content", t}}, nullptr); }, to_content,
                               g.in_thinking);
-          r = generate(g, [&](const std::string& piece) { return split.feed(piece); });
+          r = finish(*pending, [&](const std::string& piece) { return split.feed(piece); });
           ok = !r.cancelled && split.finish();
         } else {
-          r = generate(g, to_content);
+          r = finish(*pending, to_content);
           ok = !r.cancelled;
         }
         ok = ok && tools.finish();
         if (n_calls) r.finish = "tool_calls";
+      } else {
+        pending->job->cancel();
+        r = finish(*pending, [](const std::string&) { return false; });
       }
-      turn->reset();  // the sequence is free for the next request
       if (ok) ok = chunk(chat ? json::object() : json(""), r.finish);
       if (ok && g.include_usage)
         ok = event({{"id", id}, {"object", chunk_object}, {"created", created}, {"model", opt.alias},
@@ -550,18 +603,18 @@ struct Server::Impl {
     };
     auto stop_sequence = [](const GenResult& r) { return r.stop_hit.empty() ? json(nullptr) : json(r.stop_hit); };
     if (!g.stream) {
-      Turn turn(*this);
-      const GenResult r = generate(g, [](const std::string&) { return true; });
+      const GenResult r = generate(g);
       json out = {{"id", id}, {"type", "message"}, {"role", "assistant"}, {"model", opt.alias},
                   {"content", json::array({{{"type", "text"}, {"text", r.text}}})}, {"stop_reason", stop_reason(r)},
                   {"stop_sequence", stop_sequence(r)},
-                  {"usage", {{"input_tokens", r.n_prompt}, {"output_tokens", r.n_completion}}}};
+                  {"usage", {{"input_tokens", r.n_prompt}, {"output_tokens", r.n_completion},
+                             {"cache_read_input_tokens", r.n_reused}}}};
       res.set_content(dump(out), "application/json");
       return;
     }
-    auto turn = std::make_shared<std::unique_ptr<Turn>>(std::make_unique<Turn>(*this));
+    std::shared_ptr<Pending> pending = start(g);
     res.set_header("Cache-Control", "no-cache");
-    res.set_chunked_content_provider("text/event-stream", [this, g, id, turn, stop_reason, stop_sequence](size_t, httplib::DataSink& sink) {
+    res.set_chunked_content_provider("text/event-stream", [this, g, id, pending, stop_reason, stop_sequence](size_t, httplib::DataSink& sink) {
       auto event = [&](const char* name, const json& j) {
         const std::string s = std::string("event: ") + name + "\ndata: " + dump(j) + "\n\n";
         return sink.write(s.data(), s.size());
@@ -575,13 +628,15 @@ struct Server::Impl {
                        {{"type", "content_block_start"}, {"index", 0}, {"content_block", {{"type", "text"}, {"text", ""}}}});
       GenResult r;
       if (ok) {
-        r = generate(g, [&](const std::string& piece) {
+        r = finish(*pending, [&](const std::string& piece) {
           return event("content_block_delta",
                        {{"type", "content_block_delta"}, {"index", 0}, {"delta", {{"type", "text_delta"}, {"text", piece}}}});
         });
         ok = !r.cancelled;
+      } else {
+        pending->job->cancel();
+        r = finish(*pending, [](const std::string&) { return false; });
       }
-      turn->reset();
       ok = ok && event("content_block_stop", {{"type", "content_block_stop"}, {"index", 0}});
       ok = ok && event("message_delta", {{"type", "message_delta"},
                                          {"delta", {{"stop_reason", stop_reason(r)}, {"stop_sequence", stop_sequence(r)}}},
@@ -600,17 +655,28 @@ struct Server::Impl {
       std::snprintf(buf, sizeof buf, "%.17g\n", v);
       out += buf;
     };
-    metric("fitmoe_requests_total", "counter", "generation requests answered", static_cast<double>(metrics.requests.load()));
+    const Scheduler::Stats st = scheduler.stats();
+    metric("fitmoe_requests_total", "counter", "generation requests answered", static_cast<double>(st.requests));
     metric("fitmoe_requests_refused_total", "counter", "requests answered with a 4xx or 5xx", static_cast<double>(metrics.refused.load()));
-    metric("fitmoe_requests_waiting", "gauge", "requests queued behind the running one", waiting.load());
-    metric("fitmoe_prompt_tokens_total", "counter", "prompt tokens of all requests", static_cast<double>(metrics.prompt_tokens.load()));
+    metric("fitmoe_requests_running", "gauge", "requests being decoded", st.running);
+    metric("fitmoe_requests_waiting", "gauge", "requests queued behind the running ones", st.waiting);
+    metric("fitmoe_prompt_tokens_total", "counter", "prompt tokens of all requests", static_cast<double>(st.prompt_tokens));
     metric("fitmoe_prompt_tokens_reused_total", "counter", "prompt tokens found in the cache (not evaluated again)",
-           static_cast<double>(metrics.reused_tokens.load()));
-    metric("fitmoe_completion_tokens_total", "counter", "generated tokens", static_cast<double>(metrics.completion_tokens.load()));
-    metric("fitmoe_prompt_tokens_per_second", "gauge", "prefill speed of the last request", metrics.last_prompt_tps.load());
-    metric("fitmoe_decode_tokens_per_second", "gauge", "decode speed of the last request", metrics.last_decode_tps.load());
-    metric("fitmoe_context_size_tokens", "gauge", "the sequence's context", session.n_ctx());
-    metric("fitmoe_kv_cache_bytes", "gauge", "bytes of the sequence's KV cache and state", static_cast<double>(session.state().bytes()));
+           static_cast<double>(st.reused_tokens));
+    metric("fitmoe_completion_tokens_total", "counter", "generated tokens", static_cast<double>(st.generated_tokens));
+    metric("fitmoe_steps_total", "counter", "batched forward steps", static_cast<double>(st.steps));
+    metric("fitmoe_prompt_tokens_per_second", "gauge", "prompt tokens evaluated per second, all requests (last second)",
+           st.prompt_tokens_per_second);
+    metric("fitmoe_decode_tokens_per_second", "gauge", "tokens generated per second, all requests (last second)",
+           st.decode_tokens_per_second);
+    metric("fitmoe_last_request_decode_tokens_per_second", "gauge", "decode speed of the last finished request",
+           metrics.last_decode_tps.load());
+    metric("fitmoe_last_request_seconds_to_first_token", "gauge", "time to first token of the last finished request",
+           metrics.last_ttft.load());
+    metric("fitmoe_sequences", "gauge", "sequences holding a conversation", st.sequences);
+    metric("fitmoe_context_size_tokens", "gauge", "the context of each sequence", engine.n_ctx());
+    metric("fitmoe_kv_cache_bytes", "gauge", "bytes of the sequences' KV caches and state", static_cast<double>(st.state_bytes));
+    metric("fitmoe_gpu_bytes", "gauge", "GPU memory the engine holds", static_cast<double>(engine.gpu_bytes_used()));
     return out;
   }
 
@@ -675,42 +741,37 @@ struct Server::Impl {
       const json b = parse_body(req);
       if (!b.contains("content") || !b["content"].is_string()) refuse("'content' must be a string", "content");
       const bool special = bool_field(b, "add_special", false);
-      res.set_content(dump(json{{"tokens", tok->encode(b["content"].get<std::string>(), special)}}), "application/json");
+      res.set_content(dump(json{{"tokens", engine.tokenize(b["content"].get<std::string>(), special)}}), "application/json");
     }));
     http.Post("/detokenize", guarded([this](const httplib::Request& req, httplib::Response& res) {
       const json b = parse_body(req);
       if (!b.contains("tokens") || !b["tokens"].is_array()) refuse("'tokens' must be a list of token ids", "tokens");
       std::vector<int32_t> ids;
-      const int n_vocab = model.config().n_vocab;
+      const int n_vocab = engine.n_vocab();
       for (const auto& x : b["tokens"]) {
         if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() >= n_vocab)
           refuse("'tokens' must hold ids from 0 to " + std::to_string(n_vocab - 1), "tokens");
         ids.push_back(static_cast<int32_t>(x.get<int64_t>()));
       }
-      // (JSON needs valid UTF-8: ids that split a character come back with U+FFFD in its place)
-      StreamDecoder dec(*tok);
-      std::string safe;
-      for (int32_t id : ids) safe += dec.push(id);
-      safe += dec.flush();
-      res.set_content(dump(json{{"content", safe}}), "application/json");
+      // (JSON needs valid UTF-8: dump() puts U+FFFD where ids split a character)
+      res.set_content(dump(json{{"content", engine.detokenize(ids)}}), "application/json");
     }));
   }
 };
 
-Server::Server(const Model& model, const SessionOptions& session, const ServerOptions& options)
-    : impl_(std::make_unique<Impl>(model, session, options)) {}
+Server::Server(Engine& engine, const ServerOptions& options) : impl_(std::make_unique<Impl>(engine, options)) {}
 Server::~Server() { stop(); }
 
 int Server::bind() {
   Impl& i = *impl_;
-  if (i.opt.port < 0 || i.opt.port > 65535) throw Error("--port " + std::to_string(i.opt.port) + ": a port from 0 to 65535");
+  if (i.opt.port < 0 || i.opt.port > 65535) throw ApiError("--port " + std::to_string(i.opt.port) + ": a port from 0 to 65535");
   if (i.opt.port == 0) {
     i.port = i.http.bind_to_any_port(i.opt.host);
   } else {
     i.port = i.http.bind_to_port(i.opt.host, i.opt.port) ? i.opt.port : -1;
   }
   if (i.port <= 0)
-    throw Error("cannot listen on " + i.opt.host + ":" + std::to_string(i.opt.port) + " (in use, or not an address of this machine)");
+    throw ApiError("cannot listen on " + i.opt.host + ":" + std::to_string(i.opt.port) + " (in use, or not an address of this machine)");
   return i.port;
 }
 

@@ -11,20 +11,19 @@
 //                                the last request's prefill and decode speed, context and KV bytes
 //   POST /tokenize, /detokenize  {"content": text} <-> {"tokens": [ids]}
 //
-// Requests run one at a time on one sequence (`--parallel 1`; several sequences per engine are the rest
-// of issue 22); a request waits for the one before it, and beyond `max_queue` waiting ones the server
-// answers 503 with Retry-After. A request whose prompt starts with what the sequence holds evaluates only
-// the rest (prompt reuse for the KV cache and, through checkpoints, recurrent state). Every bad request
-// gets a 4xx with an OpenAI-style JSON error body naming the problem; a client that disconnects stops its
-// generation at the next token.
+// Built only on the public API (include/fitmoe/fitmoe.h): requests go to a fitmoe::Scheduler, which
+// decodes up to `--parallel` of them together (continuous batching) and keeps finished conversations on
+// their sequences (plus `--cache` more), so a request whose prompt starts with what a sequence holds
+// evaluates only the rest (KV cache, and recurrent state through checkpoints). Beyond `max_queue`
+// waiting requests the server answers 503 with Retry-After. Every bad request gets a 4xx with an
+// OpenAI-style JSON error body naming the problem; a client that disconnects stops its generation at the
+// next step.
 #pragma once
 #include <cstddef>
 #include <memory>
 #include <string>
 
-#include "model/model.h"
-#include "runtime/session.h"
-#include "text/sampling.h"
+#include "fitmoe/fitmoe.h"
 
 namespace fitmoe::server {
 
@@ -33,16 +32,19 @@ struct ServerOptions {
   int port = 8080;            // 0: any free port (bind() says which)
   std::string api_key;        // non-empty: /v1/* and the token endpoints need "Authorization: Bearer KEY"
   std::string alias;          // the model's name in /v1/models and in answers
-  int parallel = 1;           // sequences (only 1 so far)
+  int parallel = 1;           // requests decoded together (--parallel)
+  int cached = 0;             // further sequences that keep finished conversations for reuse (--cache)
+  int prefill_chunk = 256;    // prompt tokens per step beside decoding requests
   size_t max_body = 8u << 20;  // bytes of a request body
-  int max_queue = 64;         // requests waiting beyond the running one
+  int max_queue = 64;         // requests waiting beyond the running ones
   int default_max_tokens = 2048;
-  SamplerParams sampler;      // defaults for fields a request leaves out
+  GenerateOptions defaults;   // sampling for fields a request leaves out
 };
 
 class Server {
  public:
-  Server(const Model& model, const SessionOptions& session, const ServerOptions& options);
+  // The engine must have been loaded for parallel + cached sequences (LoadConfig::n_seq).
+  Server(Engine& engine, const ServerOptions& options);
   ~Server();
   Server(const Server&) = delete;
   Server& operator=(const Server&) = delete;

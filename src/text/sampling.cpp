@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
-#include <unordered_set>
+#include <unordered_map>
 
 #include "runtime/error.h"
 
@@ -22,13 +22,16 @@ int32_t Sampler::sample(const float* logits, int n_vocab, std::span<const int32_
     throw Error("the model produced " + std::to_string(n_nan) + " NaN logits of " + std::to_string(n_vocab) +
                 " (its weights, or the activations computed from them, hold NaN or infinite values)");
 
-  if (p_.repeat_penalty != 1.0f && p_.repeat_last_n != 0) {
+  const bool penalties = p_.repeat_penalty != 1.0f || p_.presence_penalty != 0.0f || p_.frequency_penalty != 0.0f;
+  if (penalties && p_.repeat_last_n != 0) {
     size_t n = p_.repeat_last_n < 0 ? history.size() : std::min<size_t>(history.size(), p_.repeat_last_n);
-    std::unordered_set<int32_t> seen(history.end() - n, history.end());
-    for (int32_t t : seen) {
+    std::unordered_map<int32_t, int> count;
+    for (auto it = history.end() - static_cast<std::ptrdiff_t>(n); it != history.end(); ++it) ++count[*it];
+    for (const auto& [t, c] : count) {
       if (t < 0 || t >= n_vocab) continue;
       float& l = cand_[t].first;
-      l = l > 0 ? l / p_.repeat_penalty : l * p_.repeat_penalty;
+      if (p_.repeat_penalty != 1.0f) l = l > 0 ? l / p_.repeat_penalty : l * p_.repeat_penalty;
+      l -= p_.presence_penalty + p_.frequency_penalty * static_cast<float>(c);
     }
   }
 

@@ -14,7 +14,9 @@ struct SamplerParams {
   float top_p = 0.95f;        // >= 1: off
   float min_p = 0.05f;        // <= 0: off
   float repeat_penalty = 1.0f;  // 1: off; divides positive / multiplies negative logits of recent tokens
-  int repeat_last_n = 64;
+  int repeat_last_n = 64;       // the window of the three penalties (-1: all of the history)
+  // OpenAI's penalties over the same window: logit -= presence * [count > 0] + frequency * count.
+  float presence_penalty = 0.0f, frequency_penalty = 0.0f;
   uint64_t seed = 0xF17F00Du;
 };
 
