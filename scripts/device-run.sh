@@ -2,8 +2,8 @@
 # The one script for the GPU machine (device tool): runs the tests there, then the benchmarks, and
 # prints a short table last. Binaries come prebuilt from the dev machine (scripts/device-prepare.sh puts
 # them and the test fixtures into git-ignored folders that the run carries).
-#   scripts/device-run.sh [MODE...]   MODE: all (default) tests cpu gpu gputests gpubench kv profile skip ab sync ncu
-#                                     ncu-detail ncu-source nsys toggles hybrid predict; several in one call run in this file's order
+#   scripts/device-run.sh [MODE...]   MODE: all (default) tests cpu gpu gputests gpubench kv parallel profile skip ab sync
+#                                     ncu ncu-detail ncu-source nsys toggles hybrid predict; several in one call run in this file's order
 #   (SKIP_CONFIGS names GPU configs to skip)
 # profile: where a decode step's GPU time goes, per op (FITMOE_PROFILE=1), all on the GPU and at 8 GiB.
 set -uo pipefail
@@ -40,7 +40,7 @@ fi
 if want all gpu gputests; then
   echo "== GPU tests: kernels against the CPU reference, models against the reference fixtures"
   # GPU_TEST_FILTER narrows them (a negative gtest pattern for fixtures a call could not carry).
-  "$BIN/fitmoe_tests" --gtest_filter="Gpu*:*Gpu*:MoeGemm*${GPU_TEST_FILTER:-}" > "$OUT/gpu-tests.log" 2>&1
+  "$BIN/fitmoe_tests" --gtest_filter="Gpu*:*Gpu*:MoeGemm*:*Batch*${GPU_TEST_FILTER:-}" > "$OUT/gpu-tests.log" 2>&1
   grep -E 'Failure|FAILED|first differing|got .* want|error' -A2 "$OUT/gpu-tests.log" | grep -v 'GetParam' | head -n 40
   summary+=("gpu tests: $(grep -E '^\[  PASSED|^\[  FAILED  \] [0-9]+ test' "$OUT/gpu-tests.log" | tr '\n' ' ')")
 fi
@@ -337,6 +337,29 @@ if want kv; then
     grep -iE 'error|KV cache type' "$OUT/kv-35b.err" | head -n 3
     while read -r l; do summary+=("kv 35B 8G $l"); done < <(tail -n 2 "$OUT/kv.md")
   fi
+fi
+
+# parallel: several sequences decoding together (issue 22): aggregate tg throughput of 1, 4 and 16
+# sequences (one batch per step holding a token of each, what serve --parallel runs) on the
+# Qwen3.6-35B-A3B shape all on the GPU and at --vram 8G; and a follow-up turn's prefill over a 30k
+# history (pp64 @ d30000: only the new tokens are evaluated). PAR_CONFIGS picks "gpu 8g".
+if want parallel; then
+  M35=/tmp/fitmoe-qwen35moe-35b-a3b-q4_k_m.gguf
+  [ -f "$M35" ] || "$BIN/fitmoe" gen-model --arch qwen35moe --preset 35b-a3b --type q4_k_m -o "$M35" | tail -n 1
+  sync
+  for cfgname in ${PAR_CONFIGS:-gpu 8g}; do
+    flags=""; [ "$cfgname" = 8g ] && flags="--vram 8G"
+    echo "== parallel: 35B-A3B $cfgname, tg${PAR_N:-32} x 1/4/16 (-c 4096 per sequence)"
+    "$BIN/fitmoe" bench -m "$M35" $flags -p 0 -n ${PAR_N:-32} --parallel ${PAR_P:-1,4,16} -r ${PAR_REPS:-2} 2>"$OUT/par-$cfgname.err" | grep '^|' | tee -a "$OUT/par.md"
+    grep -iE 'error|plan:|KV cache type' "$OUT/par-$cfgname.err" | head -n 4
+    while read -r l; do summary+=("par 35B $cfgname $l"); done < <(grep -E 'tg' "$OUT/par.md" | tail -n 3)
+    if [ -z "${PAR_SKIP_TTFT:-}" ]; then
+      echo "== parallel: 35B-A3B $cfgname, follow-up turn over a 30k history (pp64 @ d30000)"
+      "$BIN/fitmoe" bench -m "$M35" $flags -d 30000 -p 64 -n 0 -r 2 2>"$OUT/ttft-$cfgname.err" | grep '^|' | tail -n 1 | tee -a "$OUT/par.md"
+      grep -iE 'error' "$OUT/ttft-$cfgname.err" | head -n 3
+      summary+=("ttft 35B $cfgname $(tail -n 1 "$OUT/par.md")")
+    fi
+  done
 fi
 
 echo "== summary"

@@ -38,6 +38,7 @@ struct BenchArgs {
   std::vector<int> gen = {128};
   std::vector<int> depth = {0};  // -d: tokens already in the cache when a test starts
   std::vector<int> threads;  // empty: the session's default (all cores; all but one with a GPU)
+  std::vector<int> parallel = {1};  // --parallel: sequences decoding together in each tgN (aggregate tok/s)
   int reps = 5;
   int batch = 0;             // -b, copied to the model options when given
   std::string output = "md";
@@ -50,6 +51,7 @@ struct BenchArgs {
 struct Result {
   std::string test;
   int n_prompt = 0, n_gen = 0, n_threads = 0, n_depth = 0;
+  int n_parallel = 1;  // sequences decoding together (n_gen counts all of their tokens)
   double kv_bytes_per_token = 0;  // generation at depth: the cache read per token besides the weights
   std::string test_time;
   std::vector<uint64_t> ns;
@@ -242,6 +244,8 @@ void check_args(const BenchArgs& a) {
   lengths("-d", a.depth);
   for (int t : a.threads)
     if (t < 1) fail("-t values must be at least 1 (got " + std::to_string(t) + ")");
+  for (int p : a.parallel)
+    if (p < 1 || p > 256) fail("--parallel values must be from 1 to 256 (got " + std::to_string(p) + ")");
   if (a.batch_opt && a.batch_opt->count() && a.batch < 1) fail("-b must be at least 1 (got " + std::to_string(a.batch) + ")");
   static const std::vector<std::string> formats = {"md", "json", "jsonl", "csv"};
   if (std::find(formats.begin(), formats.end(), a.output) == formats.end())
@@ -275,6 +279,10 @@ void register_bench(CLI::App& app) {
                   "(filled before the timer starts, as llama-bench's -d)")
       ->delimiter(',');
   cmd->add_option("-r,--repetitions", a->reps, "repetitions per test (after one warm-up run)");
+  cmd->add_option("--parallel", a->parallel,
+                  "sequences decoding together, e.g. 1,4,16: each tgN runs N steps of one batch holding one token of every "
+                  "sequence (what serve --parallel does), reported as aggregate tok/s")
+      ->delimiter(',');
   a->batch_opt = cmd->add_option("-b,--batch", a->batch,
                                  "GPU micro-batch (prompt tokens per forward pass; default: automatic)");
   a->output_opt = cmd->add_option("-o,--output", a->output, "output format: md (default), json, jsonl or csv");
@@ -287,8 +295,10 @@ void register_bench(CLI::App& app) {
     for (int d : a->depth) max_depth = std::max(max_depth, d);
     for (int p : a->prompt) max_ctx = std::max(max_ctx, max_depth + p + 1);
     for (int g : a->gen) max_ctx = std::max(max_ctx, max_depth + g + 1);
-    // The plan's context is what the deepest test holds (its KV cache, and the automatic cache type).
+    // The plan's context is what the deepest test holds (its KV cache, and the automatic cache type),
+    // for as many sequences as the widest --parallel test.
     a->model.ctx = max_ctx;
+    a->model.n_seq = *std::max_element(a->parallel.begin(), a->parallel.end());
     auto model = load_model(a->model);
     const auto& cfg = model->config();
     const std::vector<int> thread_counts = a->threads.empty() ? std::vector<int>{0} : a->threads;
@@ -350,16 +360,18 @@ void register_bench(CLI::App& app) {
         predict_speed(model->file(), cfg, q, std::max(1, r.n_prompt));
         return r.n_gen ? q.predicted_tg : q.predicted_pp;
       };
-      auto measure = [&](Result r, int depth, const std::vector<int32_t>& toks, auto&& run) {
+      auto measure = [&](Result r, int depth, const std::vector<int32_t>& toks, auto&& run,
+                         const std::function<void()>& prepare = nullptr) {
         r.n_threads = threads;
         r.n_depth = depth;
         if (depth > 0) r.test += " @ d" + std::to_string(depth);
         r.kv_bytes_per_token = r.n_gen ? static_cast<double>(kv_cache_bytes(cfg, depth, kv) - kv_cache_bytes(cfg, 0, kv)) : 0.0;
-        r.bound = tg_bound(threads, r.kv_bytes_per_token);
-        r.predicted = predict(r);
+        r.bound = r.n_parallel > 1 ? 0.0 : tg_bound(threads, r.kv_bytes_per_token);
+        r.predicted = r.n_parallel > 1 ? 0.0 : predict(r);
         r.test_time = utc_now_iso8601();
         for (int rep = -1; rep < a->reps; ++rep) {  // rep -1 is the warm-up
-          at_depth(depth);
+          if (prepare) prepare();
+          else at_depth(depth);
           const uint64_t t0 = now_ns();
           const int n = run(rep < 0, toks);
           const uint64_t dt = std::max<uint64_t>(1, now_ns() - t0);
@@ -381,6 +393,36 @@ void register_bench(CLI::App& app) {
         }
         for (int g : a->gen) {
           if (g <= 0) continue;
+          for (int P : a->parallel) {
+            if (P <= 1) continue;
+            // P sequences sharing the pool; each step one batch of one token of every sequence. Each
+            // starts at `depth` (filled before the timer) and reads its own stretch of the tokens.
+            std::vector<std::unique_ptr<Session>> extra;
+            for (int i = 1; i < P; ++i) extra.push_back(std::make_unique<Session>(*model, so, &s.pool()));
+            std::vector<Session*> seqs = {&s};
+            for (auto& e : extra) seqs.push_back(e.get());
+            Result r = new_result("tg" + std::to_string(g) + " x" + std::to_string(P), 0, g * P);
+            r.n_parallel = P;
+            const std::vector<int32_t> toks = random_tokens(g + P, cfg.n_vocab, 7);
+            measure(std::move(r), depth, toks,
+                    [&, P, g](bool warmup, const std::vector<int32_t>& t) {
+                      const int n = warmup ? std::min(g, 4) : g;
+                      std::vector<Session::Part> parts(static_cast<size_t>(P));
+                      std::vector<float> logits(static_cast<size_t>(P) * cfg.n_vocab);
+                      for (int i = 0; i < n; ++i) {
+                        for (int j = 0; j < P; ++j) parts[j] = {seqs[j], std::span<const int32_t>(&t[i + j], 1), 1};
+                        Session::eval_batch(s.pool(), parts, logits.data());
+                      }
+                      return n * P;
+                    },
+                    [&] {
+                      for (Session* q : seqs) {
+                        q->truncate(0);
+                        if (depth > 0) q->eval(std::span<const int32_t>(context.data(), depth), 1);
+                      }
+                    });
+          }
+          if (std::find(a->parallel.begin(), a->parallel.end(), 1) == a->parallel.end()) continue;
           // tgN: N decode steps of one token each, so N generated tokens (the warm-up runs a few).
           measure(new_result("tg" + std::to_string(g), 0, g), depth, random_tokens(g, cfg.n_vocab, 7),
                   [&](bool warmup, const std::vector<int32_t>& toks) {
@@ -465,6 +507,7 @@ void register_bench(CLI::App& app) {
         o["use_mmap"] = a->model.mmap;
         o["n_prompt"] = r.n_prompt;
         o["n_gen"] = r.n_gen;
+        o["n_parallel"] = r.n_parallel;
         o["n_depth"] = r.n_depth;
         o["kv_bytes_per_token"] = r.kv_bytes_per_token;
         o["test_time"] = r.test_time;
@@ -527,7 +570,8 @@ void register_bench(CLI::App& app) {
       const double m = mean(ts);
       std::string bytes = r.n_gen ? human_bytes(bpt) : "-";
       char gbps[32] = "-", bnd[48] = "-";
-      if (r.n_gen) std::snprintf(gbps, sizeof gbps, "%.1f", (bpt + r.kv_bytes_per_token) * m / 1e9);  // weights + cache
+      // (Several sequences share each step's weight reads: no per-token figure for them.)
+      if (r.n_gen && r.n_parallel == 1) std::snprintf(gbps, sizeof gbps, "%.1f", (bpt + r.kv_bytes_per_token) * m / 1e9);
       if (r.n_gen && r.bound > 0) std::snprintf(bnd, sizeof bnd, "%.1f (%.0f%%)", r.bound, 100.0 * m / r.bound);
       std::printf("| %s | %s | %.2f B | %s | %d | %s | %.2f ± %.2f | %s | %s | %s |\n", model_type.c_str(),
                   human_bytes(static_cast<double>(size)).c_str(), params / 1e9, backend.c_str(), r.n_threads,
