@@ -355,7 +355,7 @@ if want parallel; then
     while read -r l; do summary+=("par 35B $cfgname $l"); done < <(grep -E 'tg' "$OUT/par.md" | tail -n 3)
     if [ -z "${PAR_SKIP_TTFT:-}" ]; then
       echo "== parallel: 35B-A3B $cfgname, follow-up turn over a 30k history (pp64 @ d30000)"
-      "$BIN/fitmoe" bench -m "$M35" $flags -d 30000 -p 64 -n 0 -r 2 2>"$OUT/ttft-$cfgname.err" | grep '^|' | tail -n 1 | tee -a "$OUT/par.md"
+      "$BIN/fitmoe" bench -m "$M35" $flags -d 30000 -p 64 -n 0 -r ${TTFT_REPS:-1} 2>"$OUT/ttft-$cfgname.err" | grep '^|' | tail -n 1 | tee -a "$OUT/par.md"
       grep -iE 'error' "$OUT/ttft-$cfgname.err" | head -n 3
       summary+=("ttft 35B $cfgname $(tail -n 1 "$OUT/par.md")")
     fi

@@ -85,7 +85,11 @@ class Segments {
 
 void StepDriver::forward(ThreadPool& pool, const BatchRows& batch, float* logits) {
   Workspace& ws = *e_.ws;
-  const int T = batch.n_rows(), ub = ws.ub;
+  const int T = batch.n_rows();
+  // Several sequences with a few rows each (decode steps of a batch): micro-batches of at most
+  // kMaxVecTokens rows, so that each runs the decode-sized kernels (mat-vec products that read every
+  // weight once for all their rows) instead of dequantizing every weight for a thin GEMM.
+  const int ub = batch.parts.size() > 1 && T <= 8 * kMaxVecTokens ? std::min(ws.ub, kMaxVecTokens) : ws.ub;
   // The rows that want logits, in row order (= the order of `logits`).
   std::vector<int> want;
   for (const BatchPart& p : batch.parts)
