@@ -349,6 +349,11 @@ if want parallel; then
   sync
   for cfgname in ${PAR_CONFIGS:-gpu 8g}; do
     flags=""; [ "$cfgname" = 8g ] && flags="--vram 8G"
+    if [ -n "${PAR_PROFILE:-}" ]; then  # where a step of 16 sequences goes, per op (no graphs then)
+      echo "== parallel: 35B-A3B $cfgname, per-op profile of tg8 x16 (FITMOE_PROFILE=1)"
+      FITMOE_PROFILE=1 "$BIN/fitmoe" bench -m "$M35" $flags -p 0 -n 8 --parallel 16 -r 1 2>"$OUT/parprof-$cfgname.err" | grep '^|' | tail -n 1
+      grep -vE '^(tg|pp|plan|writing|loading|\r)' "$OUT/parprof-$cfgname.err" | grep -E '[0-9]' | head -n 40
+    fi
     echo "== parallel: 35B-A3B $cfgname, tg${PAR_N:-32} x 1/4/16 (-c 4096 per sequence)"
     "$BIN/fitmoe" bench -m "$M35" $flags -p 0 -n ${PAR_N:-32} --parallel ${PAR_P:-1,4,16} -r ${PAR_REPS:-2} 2>"$OUT/par-$cfgname.err" | grep '^|' | tee -a "$OUT/par.md"
     grep -iE 'error|plan:|KV cache type' "$OUT/par-$cfgname.err" | head -n 4

@@ -1,8 +1,10 @@
 // Batches of several sequences (Model::forward_batch, what the server's continuous batching runs): every
-// sequence's logits are those it gets alone, for every architecture, on the CPU bit for bit (the
-// products and attention are per row) and on the GPU within a tolerance (its kernels differ by batch
-// size), with sequences of different lengths, one joining while the others decode, and repeated
-// steps.
+// sequence's logits are those it gets alone, for every architecture, with sequences of different
+// lengths, one joining with a long prompt while the others decode, and repeated steps. On the CPU bit
+// for bit (its products and attention are per row). On the GPU the kernels differ by micro-batch size
+// (a thin GEMM on f16 activations for prefill, integer mat-vecs for decode), so near-ties may flip a
+// greedy token: there every path decodes the CPU's greedy tokens, and each step's logits must be within
+// the GPU's tolerance of the CPU's, alone and batched.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -31,63 +33,77 @@ class Batch : public ::testing::TestWithParam<Case> {};
 
 int argmax(const float* v, int n) { return static_cast<int>(std::max_element(v, v + n) - v); }
 
-// Greedy decoding of `steps` tokens after a prompt, the logits of each step concatenated.
-std::vector<float> alone(const Model& m, ThreadPool& pool, const std::vector<int32_t>& prompt, int steps, int start_step,
-                         const StateOptions& so) {
+// A prompt and then `steps` decode steps of one sequence alone, the logits of each step concatenated.
+// forced: the tokens to decode (null: its own greedy tokens, written to *greedy).
+std::vector<float> alone(const Model& m, ThreadPool& pool, const std::vector<int32_t>& prompt, int steps,
+                         const StateOptions& so, const std::vector<int32_t>* forced, std::vector<int32_t>* greedy) {
   const int V = m.config().n_vocab;
   auto st = m.new_state(so);
   std::vector<float> out, logits(V);
-  (void)start_step;
   m.forward(*st, pool, prompt, 1, logits.data());
   out.insert(out.end(), logits.begin(), logits.end());
   for (int s = 0; s < steps; ++s) {
-    const int32_t t = argmax(logits.data(), V);
+    const int32_t t = forced ? (*forced)[s] : argmax(logits.data(), V);
+    if (greedy) greedy->push_back(t);
     m.forward(*st, pool, std::vector<int32_t>{t}, 1, logits.data());
     out.insert(out.end(), logits.begin(), logits.end());
   }
   return out;
 }
 
+std::unique_ptr<Model> load(const Case& c, bool gpu) {
+  LoadOptions lo;
+  lo.plan.use_gpu = gpu;
+  lo.plan.n_ctx = 256;
+  lo.plan.n_seq = 4;
+  return Model::load(test::testdata(c.file), lo);
+}
+
 TEST_P(Batch, EverySequenceGetsWhatItGetsAlone) {
   const Case& c = GetParam();
-  LoadOptions lo;
-  lo.plan.use_gpu = c.gpu;
-  lo.plan.n_ctx = 256;
-  std::unique_ptr<Model> m;
+  std::unique_ptr<Model> cpu, m;
   try {
-    m = Model::load(test::testdata(c.file), lo);
+    cpu = load(c, false);
+    m = c.gpu ? load(c, true) : nullptr;
   } catch (const std::exception& e) {
     FAIL() << e.what();
   }
   if (c.gpu && !m->on_gpu()) GTEST_SKIP() << "no GPU";
-  const int V = m->config().n_vocab;
+  const Model& model = c.gpu ? *m : *cpu;
+  const int V = model.config().n_vocab;
   ThreadPool pool(4);
-  StateOptions so;
-  so.n_ctx = 256;
-  so.kv = m->plan().options.kv;
+  StateOptions so, cso;
+  so.n_ctx = cso.n_ctx = 256;
+  so.kv = model.plan().options.kv;
+  cso.kv = cpu->plan().options.kv;
   std::mt19937 rng(7);
   std::uniform_int_distribution<int32_t> tok(3, std::min(V, 4000) - 1);
   // Sequence 2 joins at step 2 with a long prompt (a prefill among decodes); lengths differ.
   const std::vector<int> lens = {5, 17, 40, 1};
   const std::vector<int> join = {0, 0, 2, 1};
   const int steps = 6;
+  const size_t n = lens.size();
   std::vector<std::vector<int32_t>> prompts;
-  for (int n : lens) {
-    std::vector<int32_t> p(n);
+  for (int len : lens) {
+    std::vector<int32_t> p(len);
     for (int32_t& t : p) t = tok(rng);
     prompts.push_back(p);
   }
-  std::vector<std::vector<float>> want;
-  for (size_t i = 0; i < prompts.size(); ++i) want.push_back(alone(*m, pool, prompts[i], steps, join[i], so));
+  // The CPU alone: the reference logits and greedy tokens.
+  std::vector<std::vector<float>> ref(n), solo(n);
+  std::vector<std::vector<int32_t>> greedy(n);
+  for (size_t i = 0; i < n; ++i) ref[i] = alone(*cpu, pool, prompts[i], steps, cso, nullptr, &greedy[i]);
+  // The model under test alone (on the GPU: the CPU's tokens).
+  for (size_t i = 0; i < n; ++i) solo[i] = c.gpu ? alone(model, pool, prompts[i], steps, so, &greedy[i], nullptr) : ref[i];
 
   std::vector<std::unique_ptr<ModelState>> states;
-  for (size_t i = 0; i < prompts.size(); ++i) states.push_back(m->new_state(so));
-  std::vector<std::vector<float>> got(prompts.size());
-  std::vector<int32_t> next(prompts.size());
+  for (size_t i = 0; i < n; ++i) states.push_back(model.new_state(so));
+  std::vector<std::vector<float>> got(n);
+  std::vector<int32_t> next(n);
   for (int step = 0; step < steps + 3; ++step) {
     std::vector<BatchSeq> batch;
     std::vector<size_t> who;
-    for (size_t i = 0; i < prompts.size(); ++i) {
+    for (size_t i = 0; i < n; ++i) {
       if (step < join[i] || static_cast<int>(got[i].size()) >= (steps + 1) * V) continue;
       if (step == join[i]) batch.push_back({states[i].get(), prompts[i], 1});
       else batch.push_back({states[i].get(), std::span<const int32_t>(&next[i], 1), 1});
@@ -95,52 +111,44 @@ TEST_P(Batch, EverySequenceGetsWhatItGetsAlone) {
     }
     if (batch.empty()) continue;
     std::vector<float> logits(batch.size() * V);
-    m->forward_batch(pool, batch, logits.data());
+    model.forward_batch(pool, batch, logits.data());
     for (size_t j = 0; j < who.size(); ++j) {
+      const size_t i = who[j];
       const float* l = logits.data() + j * V;
-      got[who[j]].insert(got[who[j]].end(), l, l + V);
-      next[who[j]] = argmax(l, V);
+      const int s = static_cast<int>(got[i].size() / V);  // the step of sequence i these logits are
+      got[i].insert(got[i].end(), l, l + V);
+      next[i] = c.gpu ? (s < steps ? greedy[i][s] : 0) : argmax(l, V);
     }
   }
-  // On the GPU, where it differs: each step's largest difference from the CPU's logits (bit-exact with
-  // the sequence alone there), batched and alone.
-  std::string where;
-  if (c.gpu) {
-    LoadOptions cl;
-    cl.plan.use_gpu = false;
-    cl.plan.n_ctx = 256;
-    auto cpu = Model::load(test::testdata(c.file), cl);
-    StateOptions cso = so;
-    cso.kv = cpu->plan().options.kv;
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      const std::vector<float> ref = alone(*cpu, pool, prompts[i], steps, join[i], cso);
-      where += "\n  sequence " + std::to_string(i) + " |batched - cpu| / |alone - cpu| per step:";
-      for (int st = 0; st <= steps && static_cast<size_t>((st + 1) * V) <= got[i].size(); ++st) {
-        double db = 0, da = 0;
-        for (int j = 0; j < V; ++j) {
-          db = std::max(db, static_cast<double>(std::fabs(got[i][st * V + j] - ref[st * V + j])));
-          da = std::max(da, static_cast<double>(std::fabs(want[i][st * V + j] - ref[st * V + j])));
-        }
-        char buf[64];
-        std::snprintf(buf, sizeof buf, " %.3g/%.3g", db, da);
-        where += buf;
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_EQ(got[i].size(), ref[i].size()) << "sequence " << i;
+    // Per step: the largest difference from the CPU, batched and alone, against the logits' scale.
+    std::string where;
+    double worst_batched = 0, worst_alone = 0, scale = 0;
+    for (int s = 0; s <= steps; ++s) {
+      double db = 0, da = 0;
+      for (int j = 0; j < V; ++j) {
+        const size_t k = static_cast<size_t>(s) * V + j;
+        db = std::max(db, static_cast<double>(std::fabs(got[i][k] - ref[i][k])));
+        da = std::max(da, static_cast<double>(std::fabs(solo[i][k] - ref[i][k])));
+        scale = std::max(scale, static_cast<double>(std::fabs(ref[i][k])));
       }
+      worst_batched = std::max(worst_batched, db);
+      worst_alone = std::max(worst_alone, da);
+      char buf[64];
+      std::snprintf(buf, sizeof buf, " %.3g/%.3g", db, da);
+      where += buf;
     }
-  }
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    ASSERT_EQ(got[i].size(), want[i].size()) << "sequence " << i;
-    double max_diff = 0, scale = 0;
-    for (size_t j = 0; j < want[i].size(); ++j) {
-      max_diff = std::max(max_diff, static_cast<double>(std::fabs(got[i][j] - want[i][j])));
-      scale = std::max(scale, static_cast<double>(std::fabs(want[i][j])));
+    if (c.gpu) {
+      // (the GPU fixture tests' order of tolerance: a few percent of the logits' range)
+      EXPECT_LE(worst_batched, 5e-2 * std::max(1.0, scale)) << "sequence " << i << ", |batched - cpu| / |alone - cpu| per step:" << where;
+      EXPECT_LE(worst_alone, 5e-2 * std::max(1.0, scale)) << "sequence " << i << ", |batched - cpu| / |alone - cpu| per step:" << where;
+    } else {
+      EXPECT_EQ(worst_batched, 0.0) << "sequence " << i << ": batched logits differ from the sequence alone:" << where;
     }
-    if (c.gpu) EXPECT_LE(max_diff, 2e-2 * std::max(1.0, scale)) << "sequence " << i << where;
-    else EXPECT_EQ(max_diff, 0.0) << "sequence " << i << ": batched logits differ from the sequence alone";
-    for (int s = 0; s <= steps; ++s)
-      EXPECT_EQ(argmax(got[i].data() + s * V, V), argmax(want[i].data() + s * V, V)) << "sequence " << i << " step " << s;
   }
   // States advanced by exactly their tokens.
-  for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(states[i]->n_past(), lens[i] + steps);
+  for (size_t i = 0; i < n; ++i) EXPECT_EQ(states[i]->n_past(), lens[i] + steps);
 }
 
 TEST(BatchApi, RefusesAStateTwiceAndAFullContext) {
