@@ -14,6 +14,9 @@
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
+#include <atomic>
+#include <chrono>
+#include <fstream>
 #include <random>
 #include <string>
 #include <thread>
@@ -306,9 +309,11 @@ TEST(Server, ThousandsOfMalformedRequestsNeverBreakIt) {
   std::mt19937 rng(7);
   const std::vector<json> odd_values = {nullptr, -1, 1e308, "x", json::array(), json::object(), true, -0.5, 1 << 30};
   const char* fields[] = {"messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
-                          "stream_options", "model", "n", "tools", "max_completion_tokens", "chat_template_kwargs"};
+                          "stream_options", "model", "n", "tools", "max_completion_tokens", "chat_template_kwargs",
+                          "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "tool_choice"};
+  constexpr int kRequests = 10000;
   int answered = 0;
-  for (int i = 0; i < 3000; ++i) {
+  for (int i = 0; i < kRequests; ++i) {
     std::string body;
     switch (i % 4) {
       case 0: body = valid.substr(0, rng() % valid.size()); break;  // truncated
@@ -329,12 +334,13 @@ TEST(Server, ThousandsOfMalformedRequestsNeverBreakIt) {
         body = b.dump();
       }
     }
-    auto r = c.Post(i % 8 == 7 ? "/v1/completions" : "/v1/chat/completions", body, "application/json");
+    const char* path = i % 8 == 7 ? "/v1/completions" : i % 8 == 5 ? "/v1/messages" : "/v1/chat/completions";
+    auto r = c.Post(path, body, "application/json");
     ASSERT_TRUE(r) << "no answer to request " << i << ": " << body;
     ASSERT_LT(r->status, 500) << body << " -> " << r->body;
     ++answered;
   }
-  EXPECT_EQ(answered, 3000);
+  EXPECT_EQ(answered, kRequests);
   auto ok = c.Post("/v1/chat/completions", chat_body("Say something.", 4).dump(), "application/json");
   ASSERT_TRUE(ok);
   EXPECT_EQ(ok->status, 200) << ok->body;
@@ -467,6 +473,40 @@ TEST(ToolCallParser, QwenJsonAndXmlCallsAtEveryCut) {
   EXPECT_EQ(content, "x<tool_call>{not json}</tool_call>y<tool_call>{\"name\": \"cut");
 }
 
+// Gemma 4's notation: bare keys, <|"|>-quoted strings (holding braces, commas and colons), numbers,
+// booleans, nested objects and lists; at every cut of the stream; a call that does not parse stays text.
+TEST(ToolCallParser, Gemma4CallsAtEveryCut) {
+  const std::string text =
+      "Sure.<|tool_call>call:get_weather{city:<|\"|>Paris, {FR}: now<|\"|>,days:3,metric:true}<tool_call|>"
+      "<|tool_call>call:plan{steps:[1,2.5,<|\"|>x<|\"|>],opts:{deep:{on:false,tag:null}},<|\"|>quoted key<|\"|>:1}<tool_call|> ok";
+  for (size_t a = 0; a <= text.size(); a += 3)
+    for (size_t b = a; b <= text.size(); b += 11) {
+      std::string content;
+      std::vector<server::ToolCall> calls;
+      server::ToolCallParser p([&](const std::string& t) { content += t; return true; },
+                               [&](const server::ToolCall& c) { calls.push_back(c); return true; }, server::ToolSyntax::Gemma4);
+      p.feed(text.substr(0, a));
+      p.feed(text.substr(a, b - a));
+      p.feed(text.substr(b));
+      p.finish();
+      ASSERT_EQ(content, "Sure. ok") << a << " " << b;
+      ASSERT_EQ(calls.size(), 2u);
+      EXPECT_EQ(calls[0].name, "get_weather");
+      EXPECT_EQ(json::parse(calls[0].arguments), json::parse(R"({"city": "Paris, {FR}: now", "days": 3, "metric": true})"));
+      EXPECT_EQ(calls[1].name, "plan");
+      EXPECT_EQ(json::parse(calls[1].arguments),
+                json::parse(R"({"steps": [1, 2.5, "x"], "opts": {"deep": {"on": false, "tag": null}}, "quoted key": 1})"));
+    }
+  std::string content;
+  int n = 0;
+  server::ToolCallParser bad([&](const std::string& t) { content += t; return true; }, [&](const server::ToolCall&) { return ++n, true; },
+                             server::ToolSyntax::Gemma4);
+  bad.feed("x<|tool_call>call:f{a:<|\"|>unclosed}<tool_call|>y<|tool_call>notacall{}<tool_call|>");
+  bad.finish();
+  EXPECT_EQ(n, 0);
+  EXPECT_EQ(content, "x<|tool_call>call:f{a:<|\"|>unclosed}<tool_call|>y<|tool_call>notacall{}<tool_call|>");
+}
+
 // Sixteen clients streaming at once (bounded: three requests each): every stream complete, ending in
 // [DONE], and each the answer its own prompt gets alone (nothing mixed between them).
 TEST(Server, ConcurrentStreamsAreCompleteAndNotMixedUp) {
@@ -498,6 +538,66 @@ TEST(Server, ConcurrentStreamsAreCompleteAndNotMixedUp) {
     });
   for (auto& t : clients) t.join();
   for (int i = 0; i < kClients; ++i) EXPECT_EQ(bad[i], "") << "client " << i;
+}
+
+// The process's resident memory in KiB (VmRSS).
+long rss_kib() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6));
+  return -1;
+}
+
+// A soak: sixteen streaming clients for a bounded time against four sequences (continuous batching
+// and a queue), each request a short conversation of its own: every stream complete with [DONE] and
+// the answer its prompt gets alone (none mixed up), and the server's memory flat between the first
+// and the last part of the run.
+TEST(Server, SoakSixteenStreamingClientsMemoryFlat) {
+  auto m = cpu_model();
+  server::ServerOptions o;
+  o.parallel = 4;
+  o.cached = 2;
+  Running run(*m, o);
+  constexpr int kClients = 16, kPrompts = 4;
+  std::vector<std::string> want(kPrompts);
+  for (int i = 0; i < kPrompts; ++i)
+    want[i] = greedy_answer(*m, {{"system", "You are terse.", nullptr}, {"user", "Topic " + std::to_string(i) + ".", nullptr}}, 6);
+  std::atomic<bool> stop{false};
+  std::atomic<int> done_requests{0};
+  std::vector<std::string> bad(kClients);
+  auto client = [&](int i) {
+    auto c = run.client();
+    for (int k = 0; !stop; ++k) {
+      const int p = (i + k) % kPrompts;
+      auto r = c.Post("/v1/chat/completions", chat_body("Topic " + std::to_string(p) + ".", 6, true).dump(), "application/json");
+      if (!r || r->status != 200) {
+        bad[i] = "no answer or status " + (r ? std::to_string(r->status) + " " + r->body : std::string("- ") + httplib::to_string(r.error()));
+        return;
+      }
+      bool done = false;
+      json usage;
+      const std::string got = sse_content(r->body, &done, &usage);
+      if (!done || got != want[p]) {
+        bad[i] = "got '" + got + "' want '" + want[p] + "'" + (done ? "" : " (no [DONE])");
+        return;
+      }
+      ++done_requests;
+    }
+  };
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kClients; ++i) clients.emplace_back(client, i);
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  const long early = rss_kib();
+  const int early_done = done_requests;
+  std::this_thread::sleep_for(std::chrono::seconds(6));
+  const long late = rss_kib();
+  stop = true;
+  for (auto& t : clients) t.join();
+  for (int i = 0; i < kClients; ++i) EXPECT_EQ(bad[i], "") << "client " << i;
+  EXPECT_GT(done_requests - early_done, kClients) << "the soak's second part served too few requests to say anything";
+  EXPECT_LT(late - early, 16 * 1024) << "resident memory grew from " << early << " to " << late << " KiB while serving "
+                                     << done_requests - early_done << " requests";
 }
 
 // A client that goes away mid-stream: its generation stops at the next token (far before max_tokens),

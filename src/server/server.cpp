@@ -140,7 +140,8 @@ struct Server::Impl {
   std::atomic<uint64_t> next_id{1};
   httplib::Server http;
   int port = -1;
-  bool thinking_template = false;  // the chat template knows <think> (Qwen3, Qwen3.5/3.6)
+  bool thinking_template = false;             // the chat template knows <think> (Qwen3, Qwen3.5/3.6)
+  ToolSyntax tool_syntax = ToolSyntax::Qwen;  // Gemma 4's <|tool_call> where its template has it
   // /metrics beyond the scheduler's own figures (figures for a dashboard, not a ledger)
   struct Metrics {
     std::atomic<uint64_t> refused{0};
@@ -159,6 +160,7 @@ struct Server::Impl {
   Impl(Engine& e, const ServerOptions& o) : engine(e), opt(o), scheduler(e, scheduler_config(o)) {
     if (opt.alias.empty()) opt.alias = "fitmoe";
     thinking_template = engine.chat_template().find("<think>") != std::string::npos;
+    if (engine.chat_template().find("<|tool_call>") != std::string::npos) tool_syntax = ToolSyntax::Gemma4;
     routes();
   }
 
@@ -513,7 +515,7 @@ struct Server::Impl {
         ToolCallParser tools([&](const std::string& t) { content += t; return true; }, [&](const ToolCall& c) {
           calls.push_back(tool_call_json(c, calls.size(), false));
           return true;
-        });
+        }, tool_syntax);
         auto to_content = [&](const std::string& t) { return g.parse_tools ? tools.feed(t) : (content += t, true); };
         if (g.split_thinking) {
           ThinkSplitter split([&](const std::string& t) { reasoning += t; return true; }, to_content, g.in_thinking);
@@ -563,7 +565,7 @@ struct Server::Impl {
         size_t n_calls = 0;
         ToolCallParser tools(content, [&](const ToolCall& c) {
           return chunk(json{{"tool_calls", json::array({tool_call_json(c, n_calls++, true)})}}, nullptr);
-        });
+        }, tool_syntax);
         auto to_content = [&](const std::string& t) { return chat && g.parse_tools ? tools.feed(t) : content(t); };
         if (chat && g.split_thinking) {
           ThinkSplitter split([&](const std::string& t) { return chunk(json{{"reasoning_content", t}}, nullptr); }, to_content,
