@@ -799,7 +799,7 @@ std::string Plan::report() const {
     s << "  non-expert weights  " << gib(static_cast<double>(gpu_weights)) << "\n";
     s << "  routed experts      " << gib(static_cast<double>(gpu_experts)) << "\n";
     s << (state_bytes ? "  KV + state          " : "  KV cache            ") << gib(static_cast<double>(gpu_kv)) << "  ("
-      << options.n_ctx << " tokens, " << options.kv.name() << state_note() << ")\n";
+      << options.n_ctx << " tokens, " << options.kv.name() << seq_note() << state_note() << ")\n";
     s << "  scratch             " << gib(static_cast<double>(gpu_scratch)) << "  (micro-batch " << options.n_ubatch << ")\n";
     s << "  CUDA runtime        " << gib(static_cast<double>(reserve))
       << (machine.gpu_runtime_bytes ? "  (context, kernels, cuBLAS: " + gib(static_cast<double>(machine.gpu_runtime_bytes)) +
@@ -816,7 +816,7 @@ std::string Plan::report() const {
     << gib(static_cast<double>(host_experts)) << " routed experts\n";
   if (!use_gpu)
     s << (state_bytes ? "  KV + state          " : "  KV cache            ") << gib(static_cast<double>(host_kv)) << "  ("
-      << options.n_ctx << " tokens, " << options.kv.name() << state_note() << ")\n";
+      << options.n_ctx << " tokens, " << options.kv.name() << seq_note() << state_note() << ")\n";
   s << "  scratch             " << gib(static_cast<double>(host_scratch)) << "\n";
   s << "  total               " << gib(static_cast<double>(host_total())) << "\n";
   if (!kv_by_type.empty()) {
