@@ -229,12 +229,11 @@ struct Scheduler::Impl {
     std::vector<Session::Part> parts;
     std::vector<Active*> who;
     std::vector<int> chunk;  // per part: prompt tokens it takes (0: a decode token)
-    int n_prompt_tokens = 0, n_decode = 0;
+    int n_prompt_tokens = 0;
     for (auto& a : running) {
       if (a->pending.empty()) {
         parts.push_back({a->slot->session.get(), std::span<const int32_t>(&a->next, 1), 1});
         chunk.push_back(0);
-        ++n_decode;
       } else {
         const int n = std::min(prefill_budget, static_cast<int>(a->pending.size()));
         if (n == 0) continue;
@@ -286,7 +285,6 @@ struct Scheduler::Impl {
     const auto now = Clock::now();
     recent.push_back({now, n_prompt_tokens, n_generated});
     while (!recent.empty() && now - recent.front().at > std::chrono::seconds(1)) recent.pop_front();
-    (void)n_decode;
   }
 
   void run() {
