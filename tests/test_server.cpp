@@ -520,8 +520,8 @@ TEST(Server, ConcurrentStreamsAreCompleteAndNotMixedUp) {
   std::vector<std::thread> clients;
   for (int i = 0; i < kClients; ++i)
     clients.emplace_back([&, i] {
-      auto c = run.client();
       for (int k = 0; k < 3; ++k) {
+        auto c = run.client();  // (a connection per request, as the server closes each after its answer)
         auto r = c.Post("/v1/chat/completions", chat_body("Count to " + std::to_string(i) + ".", 8, true).dump(), "application/json");
         if (!r || r->status != 200) {
           bad[i] = "no answer or status " + (r ? std::to_string(r->status) + " " + r->body : std::string("- ") + httplib::to_string(r.error()));
@@ -567,8 +567,8 @@ TEST(Server, SoakSixteenStreamingClientsMemoryFlat) {
   std::atomic<int> done_requests{0};
   std::vector<std::string> bad(kClients);
   auto client = [&](int i) {
-    auto c = run.client();
     for (int k = 0; !stop; ++k) {
+      auto c = run.client();  // (a connection per request, as the server closes each after its answer)
       const int p = (i + k) % kPrompts;
       auto r = c.Post("/v1/chat/completions", chat_body("Topic " + std::to_string(p) + ".", 6, true).dump(), "application/json");
       if (!r || r->status != 200) {
@@ -667,7 +667,6 @@ TEST_P(ServerTurns, AnswersAloneOrAmongOthersAndWithReuseAreTheSame) {
   std::vector<std::thread> clients;
   for (int i = 0; i < kClients; ++i)
     clients.emplace_back([&, i] {
-      auto c = run.client();
       std::vector<ChatMessage> msgs = {{"system", "You are terse.", nullptr}};
       json body_msgs = json::array({{{"role", "system"}, {"content", "You are terse."}}});
       for (int k = 0; k < kTurns; ++k) {
@@ -675,6 +674,7 @@ TEST_P(ServerTurns, AnswersAloneOrAmongOthersAndWithReuseAreTheSame) {
         msgs.push_back({"user", user, nullptr});
         body_msgs.push_back({{"role", "user"}, {"content", user}});
         json b = {{"messages", body_msgs}, {"max_tokens", kTokens}, {"temperature", 0}, {"stream", k == 1}};
+        auto c = run.client();
         auto r = c.Post("/v1/chat/completions", b.dump(), "application/json");
         if (!r || r->status != 200) {
           bad[i] = "turn " + std::to_string(k) + ": no answer or status " + (r ? std::to_string(r->status) + " " + r->body : "-");

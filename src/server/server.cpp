@@ -700,6 +700,11 @@ struct Server::Impl {
       };
     };
     http.set_payload_max_length(opt.max_body);
+    // A connection thread for every request the scheduler may hold (running and waiting) and a few
+    // more: a request keeps its thread while it waits, so with httplib's default pool (8 threads) a
+    // ninth client would not even be read until one of them finished.
+    const size_t threads = static_cast<size_t>(opt.parallel + opt.max_queue + 8);
+    http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
     http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
       if (opt.api_key.empty() || req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
       const std::string auth = req.get_header_value("Authorization");
