@@ -49,6 +49,15 @@ SamplerParams sampler_params(const GenerateOptions& o) {
   return sp;
 }
 
+size_t reuse_prefix(Session& s, std::span<const int32_t> prompt) {
+  const std::vector<int32_t>& h = s.history();
+  size_t keep = 0;
+  while (keep < prompt.size() && keep < h.size() && prompt[keep] == h[keep]) ++keep;
+  if (keep == prompt.size() && keep > 0) --keep;
+  s.truncate(static_cast<int>(keep));
+  return keep;
+}
+
 void check_generation(const GenerateOptions& o, std::span<const int32_t> prompt, int n_ctx, int n_vocab) {
   if (prompt.empty()) throw ApiError("the prompt is empty");
   if (o.max_tokens < 1) throw ApiError("max_tokens must be at least 1");
@@ -257,10 +266,7 @@ GenerateResult Sequence::generate(std::span<const int32_t> prompt, const Generat
     TextStream text(*impl_->engine.tok, o, on_text);
     GenerateResult& r = text.result();
     r.n_prompt = static_cast<int>(prompt.size());
-    size_t keep = 0;
-    while (keep < prompt.size() && keep < s.history().size() && prompt[keep] == s.history()[keep]) ++keep;
-    if (keep == prompt.size()) --keep;  // (the last prompt token is evaluated for its logits)
-    s.truncate(static_cast<int>(keep));
+    const size_t keep = reuse_prefix(s, prompt);
     r.n_reused = static_cast<int>(keep);
     Sampler sampler(sampler_params(o));
     GenerationStats st;

@@ -34,6 +34,10 @@ struct EngineAccess {
 };
 
 SamplerParams sampler_params(const GenerateOptions& o);
+// Prompt reuse: cuts the session back to the longest prefix its history shares with the prompt (at
+// most all but the prompt's last token, which is evaluated for its logits; recurrent state comes back
+// from a checkpoint and is re-evaluated up to there) and returns that prefix's length.
+size_t reuse_prefix(Session& s, std::span<const int32_t> prompt);
 // Throws ApiError when options or the prompt cannot be generated from on a context of n_ctx.
 void check_generation(const GenerateOptions& o, std::span<const int32_t> prompt, int n_ctx, int n_vocab);
 

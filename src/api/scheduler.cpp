@@ -191,9 +191,7 @@ struct Scheduler::Impl {
         a->slot = slot;
         if (!slot->session) slot->session = std::make_unique<Session>(*e.model, e.session, e.pool.get());
         Session& s = *slot->session;
-        size_t keep = common_prefix(job->prompt, s.history());
-        if (keep == job->prompt.size()) --keep;  // (the last prompt token is evaluated for its logits)
-        s.truncate(static_cast<int>(keep));       // (recurrent state: from its checkpoint, re-evaluated to keep)
+        const size_t keep = reuse_prefix(s, job->prompt);
         a->pending.assign(job->prompt.begin() + static_cast<long>(keep), job->prompt.end());
         a->text = std::make_unique<TextStream>(*e.tok, job->options, job->on_text);
         a->text->result().n_prompt = static_cast<int>(job->prompt.size());
